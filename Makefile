@@ -1,0 +1,40 @@
+# gemmajax: `make test` sets everything up in .venv and runs the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export JAX_PLATFORMS ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test test-slow test-all serve bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(BIN)/python -m pip install -q -e '.[test,tpu,default-model]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=15 tests
+
+# Full-size TPU compiles (deviceless, through libtpu) and other long checks.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m slow tests
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "slow or not slow" tests
+
+serve: $(STAMP)
+	$(BIN)/gemmajax serve $(SERVE_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/compare_cpu.py
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check gemmajax tests bench || true
+
+clean:
+	rm -rf $(VENV) .pytest_cache

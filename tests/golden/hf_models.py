@@ -1,0 +1,171 @@
+"""Tiny random Hugging Face Gemma 4 / Gemma 3 reference models, one per architectural variant.
+
+Weights are randomized beyond HF's init (norms, layer_scalar, router scales are all ones there, which hides
+bugs), and the final norm is large enough that logits reach the softcap. Each builder returns the torch model
+(eager attention, float32) and its text config dict.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+VOCAB = 512
+
+
+def _g4_text(**kw) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, global_head_dim=64, sliding_window=8,
+                final_logit_softcapping=30.0, max_position_embeddings=4096, hidden_size_per_layer_input=0,
+                vocab_size_per_layer_input=VOCAB, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    base.update(kw)
+    return base
+
+
+def _period(n, p):
+    return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n)]
+
+
+VARIANTS: dict[str, dict] = {
+    # E2B: PLE, KV sharing, double-wide MLP on shared layers, 4:1 pattern, one KV head
+    "e2b": _g4_text(num_hidden_layers=10, layer_types=_period(10, 5), num_key_value_heads=1,
+                    hidden_size_per_layer_input=16, num_kv_shared_layers=4, use_double_wide_mlp=True),
+    # E4B: 5:1 pattern, KV sharing, PLE, two KV heads
+    "e4b": _g4_text(num_hidden_layers=12, layer_types=_period(12, 6), num_key_value_heads=2,
+                    hidden_size_per_layer_input=16, num_kv_shared_layers=5),
+    # 31B: K=V full layers with their own (fewer) KV heads
+    "31b": _g4_text(num_hidden_layers=6, layer_types=_period(6, 6), num_key_value_heads=2,
+                    num_global_key_value_heads=1, attention_k_eq_v=True),
+    # 26B-A4B: dense MLP + top-k MoE in every layer, K=V
+    "26b": _g4_text(num_hidden_layers=6, layer_types=_period(6, 3), num_key_value_heads=2,
+                    num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True, num_experts=8,
+                    top_k_experts=2, moe_intermediate_size=32),
+    # 12B: the gemma4_unified text config
+    "12b": dict(model_type="gemma4_unified_text", **{k: v for k, v in _g4_text(
+        num_hidden_layers=6, layer_types=_period(6, 6), num_key_value_heads=2, num_global_key_value_heads=1,
+        attention_k_eq_v=True).items() if k not in ("hidden_size_per_layer_input", "vocab_size_per_layer_input")}),
+}
+
+GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+              layer_types=_period(6, 3), max_position_embeddings=4096, rope_theta=1e6, rope_local_base_freq=1e4,
+              rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 3.0) -> None:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(shape, std=1.0, mean=0.0):
+        return torch.randn(shape, generator=g) * std + mean
+
+    def uni(shape, lo, hi):
+        return torch.rand(shape, generator=g) * (hi - lo) + lo
+
+    gemma3 = "Gemma3" in type(model).__name__
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name or "embed_scale" in name or name.endswith("_scale") and "per_expert" not in name \
+                    and "router" not in name:
+                continue
+            shape = p.shape
+            if name.endswith("layer_scalar"):
+                p.copy_(uni(shape, 0.5, 1.5))
+            elif "norm" in name:
+                if name in ("model.norm.weight",):
+                    base = final_norm_scale - (1.0 if gemma3 else 0.0)
+                    p.copy_(uni(shape, base - 0.5, base + 0.5))
+                else:  # Gemma 3 stores w for 1 + w; Gemma 4 stores the multiplier itself
+                    p.copy_(rnd(shape, 0.3) if gemma3 else uni(shape, 0.5, 1.5))
+            elif "router.scale" in name or "per_expert_scale" in name:
+                p.copy_(uni(shape, 0.5, 1.5))
+            elif "embed_tokens" in name:
+                p.copy_(rnd(shape, 1.0))
+            elif p.ndim >= 2:
+                p.copy_(rnd(shape, 1.0 / math.sqrt(shape[-1])))
+            else:
+                p.copy_(rnd(shape, 0.1))
+
+
+def build_hf(variant: str, seed: int = 0, dtype=torch.float32):
+    """Return (torch model, text config dict) for a Gemma 4 variant name or 'gemma3'."""
+    if variant == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        cfg = Gemma3TextConfig(**GEMMA3)
+        cfg._attn_implementation = "eager"
+        model = Gemma3ForCausalLM(cfg)
+    else:
+        kw = dict(VARIANTS[variant])
+        if kw.get("model_type") == "gemma4_unified_text":
+            from transformers.models.gemma4_unified import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
+            kw.pop("model_type")
+            cfg = Gemma4UnifiedTextConfig(**kw)
+            cfg._attn_implementation = "eager"
+            model = Gemma4UnifiedForCausalLM(cfg)
+        else:
+            from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+            cfg = Gemma4TextConfig(**kw)
+            cfg._attn_implementation = "eager"
+            model = Gemma4ForCausalLM(cfg)
+    _randomize(model, seed)
+    model = model.to(dtype).eval()
+    return model, json.loads(cfg.to_json_string())
+
+
+def hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(ids, dtype=torch.long), use_cache=True)
+    return out.logits.float().numpy()
+
+
+def text_state_dict(model) -> dict[str, np.ndarray]:
+    """The decoder's tensors under HF's text-only names (`model.` prefix), tied lm_head dropped, float32."""
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight" or "inv_freq" in k or k.endswith("embed_scale"):
+            continue
+        sd[k] = v.detach().float().numpy()
+    return sd
+
+
+def save_text_checkpoint(model, cfg: dict, path: str) -> str:
+    """A text-only save as transformers writes it (config.json + model.safetensors, `model.` keys)."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def save_released_layout(model, cfg: dict, path: str, shared_layers: list[int], seed: int = 1) -> str:
+    """The layout of released multimodal checkpoints: nested config (`gemma4` with `text_config`), keys under
+    `model.language_model.`, two shards with an index, unused k/v copies on KV-shared layers, vision tensors."""
+    from gemmajax.model.safetensors_io import save_file
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    sd = {"model.language_model." + k[len("model."):]: v for k, v in text_state_dict(model).items()}
+    D, hd, kvh = cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"]
+    for i in shared_layers:  # Google's non-QAT exports still ship these for KV-shared layers; they are unused
+        p = f"model.language_model.layers.{i}.self_attn."
+        sd[p + "k_proj.weight"] = rng.standard_normal((kvh * hd, D)).astype(np.float32)
+        sd[p + "v_proj.weight"] = rng.standard_normal((kvh * hd, D)).astype(np.float32)
+        sd[p + "k_norm.weight"] = rng.standard_normal((hd,)).astype(np.float32)
+    sd["model.vision_tower.encoder.layers.0.mlp.gate_proj.linear.weight"] = np.zeros((8, 4), np.float32)
+    sd["model.embed_vision.embedding_projection.weight"] = np.zeros((D, 8), np.float32)
+    sd["model.audio_tower.output_proj.weight"] = np.zeros((4, 4), np.float32)
+    names = sorted(sd)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for fn, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, os.path.join(path, fn))
+        weight_map.update({k: fn for k in keys})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    text = dict(cfg)
+    top_type = "gemma4_unified" if text.get("model_type") == "gemma4_unified_text" else "gemma4"
+    nested = {"model_type": top_type, "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+              "vision_config": {"model_type": "gemma4_vision", "hidden_size": 8}, "eos_token_id": [1, 106]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(nested, f)
+    return path
