@@ -55,7 +55,7 @@ GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
-def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 3.0) -> None:
+def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 1.0) -> None:
     g = torch.Generator().manual_seed(seed)
 
     def rnd(shape, std=1.0, mean=0.0):
