@@ -194,10 +194,10 @@ class ChatCompletionRequest(_SamplingFields):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, f"`top_logprobs` ({self.top_logprobs}) needs `logprobs: true`", param="top_logprobs")
-        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
-            if not self.tools:
-                raise APIError(400, f"tool_choice {self._tool_choice_str()} needs a non-empty `tools` list",
-                               param="tool_choice")
+        forced = isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required"
+        if forced and not self.tools:
+            raise APIError(400, f"tool_choice {self._tool_choice_str()} needs a non-empty `tools` list",
+                           param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:

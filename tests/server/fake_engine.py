@@ -11,8 +11,6 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gemmajax.server.app import RequestOutput
-
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>",
             "<channel|>", "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", "<|think|>"]
 _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIALS))
@@ -36,6 +34,23 @@ class CharTokenizer:
 
 
 @dataclasses.dataclass
+class RequestOutput:
+    """The fields of the engine's RequestOutput that the server reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    delta_text: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
 class FakeStats:
     num_running: int
     num_waiting: int
@@ -49,6 +64,8 @@ class FakeEngineClient:
     reply: the text every generation produces (special tags included), or a function (prompt_text, params) -> text.
     token_delay: seconds between tokens. gate: generation waits before each token while the gate is clear.
     fail_after: raise RuntimeError after this many tokens (engine failure).
+    reject: an exception raised before the first output (the engine refusing the request).
+    error_after: finish with finish_reason "error" after this many tokens.
     """
 
     def __init__(self, reply: str | Callable[[str, Any], str] = "Hello there!", *, model_name: str = "fake-gemma",
@@ -60,6 +77,9 @@ class FakeEngineClient:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_after: int | None = None
+        self.reject: Exception | None = None
+        self.error_after: int | None = None
+        self.healthy = True
         self.calls: list[tuple[str, list[int], Any]] = []  # (request_id, prompt ids, SamplingParams)
         self.render_calls: list[dict[str, Any]] = []
         self.aborted: list[str] = []
@@ -79,7 +99,8 @@ class FakeEngineClient:
         self.render_calls.append({"messages": messages, "tools": tools, "enable_thinking": enable_thinking,
                                   "add_generation_prompt": add_generation_prompt, "kwargs": template_kwargs})
         text = "<bos>" + "".join(f"<|turn>{m['role']}\n{m.get('content') or ''}<turn|>\n" for m in messages)
-        return self.tokenizer.encode(text + ("<|turn>model\n" if add_generation_prompt else ""))
+        text += ("<|turn>model\n" if add_generation_prompt else "") + template_kwargs.get("fake_suffix", "")
+        return self.tokenizer.encode(text)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any
                        ) -> AsyncIterator[RequestOutput]:
@@ -92,6 +113,8 @@ class FakeEngineClient:
         out_ids: list[int] = []
         text = ""
         try:
+            if self.reject is not None:
+                raise self.reject
             for i, tid in enumerate(script):
                 while not self.gate.is_set():
                     await asyncio.sleep(0.002)
@@ -103,6 +126,10 @@ class FakeEngineClient:
                     return
                 if self.fail_after is not None and i >= self.fail_after:
                     raise RuntimeError("fake engine failure (device lost)")
+                if self.error_after is not None and i >= self.error_after:
+                    yield RequestOutput(request_id, list(prompt_token_ids), list(out_ids), [], "", text, True, "error",
+                                        error="needs more KV pages than the pool has")
+                    return
                 out_ids.append(tid)
                 delta = self.tokenizer.decode([tid], skip_special_tokens=params.skip_special_tokens)
                 text += delta
@@ -126,6 +153,9 @@ class FakeEngineClient:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def check_health(self) -> bool:
+        return self.healthy
 
     def stats(self) -> FakeStats:
         return FakeStats(num_running=len(self.active), num_waiting=0, kv_cache_usage=0.25, num_preemptions=2)

@@ -33,30 +33,30 @@ CASES = [
     ("", False, "", None, []),
     ("   \n", False, "", None, []),
     # every value type
-    (f"<|tool_call>call:set{{s:{S}x{S},i:42,neg:-7,f:3.25,e:1e-3,E:-2.5E+2,t:true,fa:false,nu:null,z:0}}"
-     "<tool_call|><|tool_response>", False, None, None,
+    ((f"<|tool_call>call:set{{s:{S}x{S},i:42,neg:-7,f:3.25,e:1e-3,E:-2.5E+2,t:true,fa:false,nu:null,z:0}}"
+     "<tool_call|><|tool_response>"), False, None, None,
      [call("set", {"s": "x", "i": 42, "neg": -7, "f": 3.25, "e": 0.001, "E": -250.0, "t": True, "fa": False,
                    "nu": None, "z": 0})]),
     # nested objects and arrays
-    (f"<|tool_call>call:plan{{steps:[{{id:1,tags:[{S}a{S},{S}b{S}]}},{{id:2,tags:[]}}],"
-     f"meta:{{owner:{{name:{S}Ann{S}}},empty:{{}}}},grid:[[1,2],[3]]}}<tool_call|>", False, None, None,
+    ((f"<|tool_call>call:plan{{steps:[{{id:1,tags:[{S}a{S},{S}b{S}]}},{{id:2,tags:[]}}],"
+     f"meta:{{owner:{{name:{S}Ann{S}}},empty:{{}}}},grid:[[1,2],[3]]}}<tool_call|>"), False, None, None,
      [call("plan", {"steps": [{"id": 1, "tags": ["a", "b"]}, {"id": 2, "tags": []}],
                     "meta": {"owner": {"name": "Ann"}, "empty": {}}, "grid": [[1, 2], [3]]})]),
     # two calls after some content
-    (f"Checking both.<|tool_call>call:get_weather{{city:{S}Paris{S}}}<tool_call|>"
-     f"<|tool_call>call:get_weather{{city:{S}Tokyo{S},unit:{S}c{S}}}<tool_call|><|tool_response>", False,
+    ((f"Checking both.<|tool_call>call:get_weather{{city:{S}Paris{S}}}<tool_call|>"
+     f"<|tool_call>call:get_weather{{city:{S}Tokyo{S},unit:{S}c{S}}}<tool_call|><|tool_response>"), False,
      "Checking both.", None,
      [call("get_weather", {"city": "Paris"}), call("get_weather", {"city": "Tokyo", "unit": "c"})]),
     # strings holding braces, commas, colons, quotes, newlines, a closing tag and brackets
-    (f"<|tool_call>call:run{{code:{S}def f(x):\n    return {{\"a\": [1, 2]}}, 'q'{S},"
-     f"note:{S}a:b, c}}d]<tool_call|>e{S}}}<tool_call|>", False, None, None,
+    ((f"<|tool_call>call:run{{code:{S}def f(x):\n    return {{\"a\": [1, 2]}}, 'q'{S},"
+     f"note:{S}a:b, c}}d]<tool_call|>e{S}}}<tool_call|>"), False, None, None,
      [call("run", {"code": "def f(x):\n    return {\"a\": [1, 2]}, 'q'", "note": "a:b, c}d]<tool_call|>e"})]),
     # keys wrapped in the string token
     (f"<|tool_call>call:k{{{S}my key{S}:1,{S}x:y{S}:{S}v{S}}}<tool_call|>", False, None, None,
      [call("k", {"my key": 1, "x:y": "v"})]),
     # reasoning + tool call
-    (f"<|channel>thought\nNeed weather.<channel|><|tool_call>call:get_weather{{city:{S}Oslo{S}}}<tool_call|>"
-     "<|tool_response>", True, None, "Need weather.", [call("get_weather", {"city": "Oslo"})]),
+    ((f"<|channel>thought\nNeed weather.<channel|><|tool_call>call:get_weather{{city:{S}Oslo{S}}}<tool_call|>"
+     "<|tool_response>"), True, None, "Need weather.", [call("get_weather", {"city": "Oslo"})]),
     # reasoning ends at <|tool_call> when <channel|> is missing
     ("<|channel>thought\nNeed it<|tool_call>call:f{}<tool_call|>", True, None, "Need it", [call("f", {})]),
     # reasoning + content, with reasoning on and off

@@ -1,0 +1,212 @@
+"""The model runner: paged KV caches on the device and one jitted step over a flattened, ragged batch.
+
+Design choices:
+- The batch is flattened: all scheduled tokens of all sequences form one [T] row (decodes first, then prefill
+  chunks), described per KV group by a `RaggedMeta` (cu_q_lens, kv_lens, page table). T and the number of
+  sequences are padded to a few buckets, so a handful of programs cover every step.
+- One page array per KV-owning layer, grouped by attention kind ("sliding" / "full"): all layers of a group
+  share one page table per sequence. KV-shared layers own nothing and read their source layer's pages.
+- KV-shared layers write no cache, so only the tokens whose logits are needed (the last of each sequence) go
+  through them ("shared band"); for E2B that skips 20 of 35 layers for every other prompt token.
+- KV page arrays are donated to the step, so their update happens in place.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmajax.config import FULL, SLIDING, ModelConfig
+from gemmajax.kv.attention import RaggedMeta, ragged_paged_attention
+from gemmajax.kv.layout import KVLayout, kv_dtype as resolve_kv_dtype
+from gemmajax.model import gemma
+from gemmajax.model.gemma import pytree_dataclass
+
+f32 = jnp.float32
+
+
+@pytree_dataclass
+class StepInputs:
+    """Device inputs of one step (shapes are bucketed; T tokens, S sequences)."""
+
+    token_ids: Any        # int32 [T]
+    positions: Any        # int32 [T]
+    logits_indices: Any   # int32 [S]: row of each sequence's last scheduled token
+    metas: tuple          # per KV group: RaggedMeta over the T tokens
+    shared_metas: tuple   # per KV group: RaggedMeta with one query (the last token) per sequence
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Static description of the runner's caches (hashable: part of the jit key)."""
+
+    cfg: ModelConfig
+    groups: tuple[str, ...]           # KV group names in order, e.g. ("sliding", "full")
+    page_size: int
+    num_pages: tuple[int, ...]        # per group
+    max_pages_per_seq: int            # page-table width (logical pages of max_model_len)
+    kv_dtype: str
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    attn_impl: str = "auto"
+
+    def group_of(self, layer_index: int) -> int:
+        return self.groups.index(self.cfg.layers[layer_index].kind)
+
+    def layouts(self) -> list[KVLayout]:
+        out = []
+        for li in self.cfg.kv_layers:
+            s = self.cfg.layers[li]
+            out.append(KVLayout(page_size=self.page_size, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                dtype=self.kv_dtype))
+        return out
+
+    def page_bytes(self) -> list[int]:
+        """Bytes of one page in each group (summed over the group's KV-owning layers)."""
+        per = [0] * len(self.groups)
+        for li, lay in zip(self.cfg.kv_layers, self.layouts()):
+            per[self.group_of(li)] += lay.bytes_per_page()
+        return per
+
+    def cache_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.num_pages, self.page_bytes()))
+
+
+def kv_groups(cfg: ModelConfig) -> tuple[str, ...]:
+    kinds = {cfg.layers[li].kind for li in cfg.kv_layers}
+    return tuple(k for k in (SLIDING, FULL) if k in kinds)
+
+
+def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len: int, max_num_seqs: int,
+               max_num_batched_tokens: int, kv_cache_memory: int) -> tuple[int, ...]:
+    """Pages per group for a byte budget. Each group is sized for what `max_num_seqs` full-length sequences
+    need (a sliding group only its window plus one step's chunk); when the budget is smaller, both shrink in
+    the same proportion. Page 0 of each group is the null page."""
+    groups = kv_groups(cfg)
+    probe = RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype)
+    per_page = probe.page_bytes()
+    need = []
+    for g in groups:
+        if g == SLIDING:
+            w = max(s.window for s in cfg.layers if s.kind == SLIDING)
+            span = min(max_model_len, w + max_num_batched_tokens)
+        else:
+            span = max_model_len
+        need.append(max_num_seqs * (math.ceil(span / page_size) + 1) + 1)
+    full_bytes = sum(n * b for n, b in zip(need, per_page))
+    frac = min(1.0, kv_cache_memory / full_bytes) if full_bytes else 1.0
+    return tuple(max(2, int(n * frac)) for n in need)
+
+
+def alloc_caches(spec: RunnerSpec) -> tuple:
+    return tuple(lay.alloc_pages(spec.num_pages[spec.group_of(li)])
+                 for li, lay in zip(spec.cfg.kv_layers, spec.layouts()))
+
+
+def abstract_caches(spec: RunnerSpec, sharding=None) -> tuple:
+    return tuple(lay.abstract(spec.num_pages[spec.group_of(li)], sharding)
+                 for li, lay in zip(spec.cfg.kv_layers, spec.layouts()))
+
+
+def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
+    """Run the scheduled tokens through the model. Returns (logits [S, V] float32 of each sequence's last
+    token, updated kv)."""
+    cfg = spec.cfg
+    impl = spec.attn_impl
+
+    def make_attend(metas):
+        def attend(lspec, q, k, v, pages):
+            meta = metas[spec.groups.index(lspec.kind)]
+            out, pages = ragged_paged_attention(
+                q[0], None if k is None else k[0], None if v is None else v[0], pages, meta,
+                sm_scale=cfg.attn_scale, sliding_window=lspec.window, soft_cap=cfg.attn_logit_softcap,
+                k_scale=spec.k_scale, v_scale=spec.v_scale, impl=impl)
+            return out[None], pages
+        return attend
+
+    def shared_band(x, positions, ple):
+        idx = inp.logits_indices
+        ple = None if ple is None else ple[:, idx]
+        return x[:, idx], positions[:, idx], ple, make_attend(inp.shared_metas)
+
+    has_shared = cfg.first_shared_layer < cfg.num_layers
+    h, kv = gemma.decoder(weights, cfg, inp.token_ids[None], inp.positions[None], make_attend(inp.metas), kv,
+                          shared_band=shared_band if has_shared else None)
+    h = h[0] if has_shared else h[0, inp.logits_indices]      # [S, D]
+    return gemma.lm_head(weights, cfg, h).astype(f32), kv
+
+
+# ---------------------------------------------------------------------------- host-side batch building
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def build_step_inputs(spec: RunnerSpec, entries: list[tuple[list[int], int, int, list[list[int]]]],
+                      t_pad: int, s_pad: int) -> StepInputs:
+    """entries: per sequence (token ids to compute, start position, num tokens, page tables per group).
+
+    Returns numpy-backed StepInputs padded to t_pad tokens and s_pad sequences."""
+    n = len(entries)
+    tok = np.zeros(t_pad, np.int32)
+    pos = np.zeros(t_pad, np.int32)
+    cu = np.zeros(s_pad + 1, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
+    last = np.zeros(s_pad, np.int32)
+    tables = [np.zeros((s_pad, spec.max_pages_per_seq), np.int32) for _ in spec.groups]
+    t = 0
+    for i, (ids, start, num, pts) in enumerate(entries):
+        tok[t:t + num] = ids
+        pos[t:t + num] = np.arange(start, start + num)
+        t += num
+        cu[i + 1] = t
+        kv_lens[i] = start + num
+        last[i] = t - 1
+        for g, pt in enumerate(pts):
+            tables[g][i, :len(pt)] = pt
+    cu[n + 1:] = t
+    num = np.array([n], np.int32)
+    metas = tuple(RaggedMeta(cu_q_lens=cu, kv_lens=kv_lens, page_indices=tab, num_seqs=num) for tab in tables)
+    cu1 = np.minimum(np.arange(s_pad + 1, dtype=np.int32), n)
+    shared = tuple(RaggedMeta(cu_q_lens=cu1, kv_lens=kv_lens, page_indices=tab, num_seqs=num) for tab in tables)
+    return StepInputs(token_ids=tok, positions=pos, logits_indices=last, metas=metas, shared_metas=shared)
+
+
+class ModelRunner:
+    """Owns the device caches and the compiled step functions for one model."""
+
+    def __init__(self, weights: gemma.Weights, spec: RunnerSpec, sample_fn=None):
+        self.weights = weights
+        self.spec = spec
+        self.kv = alloc_caches(spec)
+        self._sample_fn = sample_fn
+
+    @functools.cached_property
+    def _step(self):
+        spec = self.spec
+
+        def step(weights, kv, inp):
+            return model_step(weights, spec, kv, inp)
+        return jax.jit(step, donate_argnums=(1,))
+
+    def forward(self, inp: StepInputs) -> jax.Array:
+        """Run one step; updates the caches in place (donated). Returns logits [S_pad, V] float32 (on device)."""
+        logits, self.kv = self._step(self.weights, self.kv, inp)
+        return logits

@@ -1,0 +1,323 @@
+"""Continuous-batching scheduler: which sequences run this step, and how many tokens each.
+
+Each step fills a token budget in a fixed order: running decodes (1 token each), then running partial
+prefills, then waiting requests in FIFO order (after a prefix-cache match), a prefill chunked to what is left.
+Out of pages, the most recently admitted running sequence is preempted by recompute: its pages are freed and
+it goes back to the front of the queue with its output kept. The scheduled list is decode-first, which is
+the order the ragged paged attention kernel wants.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple
+
+from gemmajax.engine.block_manager import BlockManager
+from gemmajax.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduler.
+
+    Attributes:
+      max_num_seqs: most running sequences (and so most sequences in one step).
+      max_num_batched_tokens: token budget of one step (all sequences together).
+      max_model_len: most tokens (prompt + output) of one sequence.
+      enable_chunked_prefill: split a prompt over several steps to fit the budget; off, a prompt longer than
+        the budget is rejected (the recompute of a preempted sequence is always chunked).
+      long_prefill_token_threshold: most tokens one prefill may take in a step (0 = the whole budget).
+      eos_token_ids: the model's end-of-sequence ids (a request stops on them unless ignore_eos).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 = off), "
+                             f"got {self.long_prefill_token_threshold}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def max_chunk(self) -> int:
+        """Most tokens one sequence computes in one step."""
+        t = self.long_prefill_token_threshold
+        return min(t, self.max_num_batched_tokens) if t else self.max_num_batched_tokens
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence of a step: compute token_ids[c : c + num_new_tokens] at positions c.., where
+    c = seq.num_computed_tokens (until update_after_step advances it)."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step completes the sequence's known tokens, so the step samples its next token
+        (false for a partial prefill chunk). Valid until update_after_step."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """The work of one step.
+
+    Attributes:
+      scheduled: (seq, num_new_tokens) pairs, decodes (num_new_tokens == 1) first.
+      preempted: sequences preempted while scheduling this step (back in the waiting queue).
+      finished: sequences finished outside a step since the last schedule(): requests that can never fit
+        (finish_reason "error", set at add() or here). Aborted ones are returned by abort() instead.
+    """
+
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+    finished: list[Sequence]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        """Length of the leading run of 1-token entries."""
+        n = 0
+        for s in self.scheduled:
+            if s.num_new_tokens != 1:
+                break
+            n += 1
+        return n
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Queues of waiting and running sequences over one BlockManager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self._unfinished: dict[str, Sequence] = {}
+        self._finished_outside_step: list[Sequence] = []
+        # Counters for metrics.
+        self.num_preemptions = 0
+        self.num_prompt_tokens_admitted = 0
+        self.num_prefix_cache_hit_tokens = 0
+
+    # -- queue state -------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._unfinished.get(request_id)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. One that can never run (prompt longer than max_model_len, or needing more
+        pages than a pool holds) is finished at once with finish_reason "error" and seq.error set; it is
+        also reported in the next SchedulerOutput.finished."""
+        if seq.status != SequenceStatus.WAITING or seq.page_tables or seq.num_computed_tokens:
+            raise ValueError(f"Scheduler.add({seq!r}): expected a new WAITING sequence without pages")
+        if seq.request_id in self._unfinished:
+            raise ValueError(f"Scheduler.add: request_id {seq.request_id!r} is already queued or running")
+        error = self._why_impossible(seq)
+        if error is not None:
+            seq.error = error
+            self._set_finished(seq, "error")
+            self._finished_outside_step.append(seq)
+            return
+        self._unfinished[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def _why_impossible(self, seq: Sequence) -> str | None:
+        cfg = self.config
+        prompt_len = seq.num_prompt_tokens
+        if prompt_len > cfg.max_model_len:
+            return (f"request {seq.request_id!r}: the prompt has {prompt_len} tokens, more than "
+                    f"max_model_len={cfg.max_model_len}; shorten the prompt or raise max_model_len")
+        if not cfg.enable_chunked_prefill and prompt_len > cfg.max_chunk:
+            return (f"request {seq.request_id!r}: the prompt has {prompt_len} tokens, more than one step's "
+                    f"budget ({cfg.max_chunk}) with chunked prefill off; enable chunked prefill or raise "
+                    f"max_num_batched_tokens")
+        # Tokens whose K/V get written at most: all but the last of the longest possible sequence.
+        total = min(prompt_len + seq.params.max_tokens, cfg.max_model_len)
+        kv_tokens = max(prompt_len, total - 1)
+        needed = self.block_manager.max_pages_needed(kv_tokens, cfg.max_chunk)
+        for spec, n in zip(self.block_manager.groups, needed):
+            if n > spec.num_pages - 1:
+                return (f"request {seq.request_id!r}: needs up to {n} pages of KV group {spec.name!r} "
+                        f"({kv_tokens} tokens), the pool has {spec.num_pages - 1}; lower max_tokens or "
+                        f"give the KV cache more memory")
+        return None
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish an unfinished request with finish_reason "abort" and free its pages at once. Returns the
+        sequence, or None when no unfinished request has this id."""
+        seq = self._unfinished.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End `seq` now: `reason` is "stop" | "length" | "abort" | "error" (e.g. "stop" with the matched stop
+        string, from the runner's detokenizer). Removes it from the queues and frees its pages."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self._set_finished(seq, reason, stop_reason)
+
+    def _set_finished(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.status = FINISH_REASONS[reason]
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self._unfinished.pop(seq.request_id, None)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running decodes, then running partial prefills, then new admissions (none
+        in a step that had to preempt)."""
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        in_step: set[int] = set()
+        preempted: list[Sequence] = []
+        finished, self._finished_outside_step = self._finished_outside_step, []
+
+        for decodes in (True, False):
+            i = 0
+            while i < len(self.running) and budget > 0:
+                seq = self.running[i]
+                remaining = seq.num_new_tokens_to_compute
+                if seq.seq_id in in_step or (remaining == 1) != decodes:
+                    i += 1
+                    continue
+                n = min(remaining, budget, cfg.max_chunk)
+                while not bm.allocate(seq, n):
+                    victim = next(s for s in reversed(self.running) if s.seq_id not in in_step)
+                    if victim is seq and len(self.running) == 1:
+                        # Alone and still short of pages: cannot happen for requests that passed add().
+                        seq.error = (f"request {seq.request_id!r}: out of KV pages with no other sequence to "
+                                     f"preempt ({seq.num_tokens} tokens)")
+                        self.finish(seq, "error")
+                        finished.append(seq)
+                        break
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                else:
+                    scheduled.append(ScheduledSeq(seq, n))
+                    in_step.add(seq.seq_id)
+                    budget -= n
+                    i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            bm.match_prefix(seq)
+            remaining = seq.num_new_tokens_to_compute
+            chunkable = cfg.enable_chunked_prefill or seq.num_preemptions > 0
+            n = min(remaining, budget, cfg.max_chunk)
+            if (n < remaining and not chunkable) or not bm.allocate(seq, n):
+                bm.free(seq)  # undo the prefix match; retry next step
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            in_step.add(seq.seq_id)
+            budget -= n
+            if seq.num_preemptions == 0:
+                self.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
+
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted, finished=finished)
+
+    def update_after_step(self, scheduled: SchedulerOutput | list[ScheduledSeq] | list[tuple[Sequence, int]],
+                          sampled_token_ids: dict[int, int | None]) -> list[Sequence]:
+        """Record a finished step: advance num_computed_tokens, append the sampled token of every sequence
+        whose known tokens are now all computed (partial prefill chunks sample nothing), stop sequences on
+        EOS / stop_token_ids (not before min_tokens), max_tokens or max_model_len, free finished ones and
+        release pages that left the sliding window.
+
+        Args:
+          scheduled: the SchedulerOutput (or its `scheduled` list) of the step.
+          sampled_token_ids: seq_id -> sampled token (None or absent for partial prefills).
+        Returns:
+          the sequences that finished in this step.
+        """
+        if isinstance(scheduled, SchedulerOutput):
+            scheduled = scheduled.scheduled
+        bm = self.block_manager
+        finished = []
+        for seq, n in scheduled:
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted (or finished by the runner) since schedule()
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens > seq.num_tokens:
+                raise RuntimeError(f"{seq!r}: {n} tokens were scheduled past the end of the sequence")
+            bm.cache_full_pages(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                bm.release_out_of_window(seq)
+                continue
+            token = sampled_token_ids.get(seq.seq_id)
+            if token is None:
+                raise ValueError(f"update_after_step: no sampled token for {seq!r}, whose prefill is complete")
+            seq.append_token(token)
+            reason, stop_reason = self._stop_reason(seq, int(token))
+            if reason is None:
+                bm.release_out_of_window(seq)
+            else:
+                self.finish(seq, reason, stop_reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        p = seq.params
+        if seq.num_output_tokens > p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.config.eos_token_ids:
+                return "stop", None
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None, None

@@ -1,0 +1,154 @@
+"""The `gemmajax` command: serve, generate, quantize, aot (flags as in API.md's "Command line").
+
+Parsing lives here; each subcommand's work is imported lazily from the package that owns it, so `--help`
+is instant and a subcommand whose implementation is missing says so and exits 2 instead of crashing.
+`serve` runs uvicorn with graceful shutdown: on SIGTERM in-flight requests get `--timeout-graceful-shutdown`
+seconds to finish, then are cancelled (which aborts them in the engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+QUANT_SCHEMES = ("none", "w8a8", "w4a16", "qat-w4a16")
+KV_DTYPES = ("bf16", "fp8_e5m2", "fp8_e4m3")
+AOT_MODELS = ("e2b", "e4b", "12b", "26b-a4b", "31b")
+AOT_CHIPS = ("v5e", "v6e")
+EXIT_NOT_AVAILABLE = 2
+
+
+def quant_arg(value: str) -> str:
+    """A --quant value: a scheme, optionally with a +emb4 / +emb8 suffix for the vocabulary tables."""
+    scheme, plus, emb = value.partition("+")
+    if scheme not in QUANT_SCHEMES or (plus and emb not in ("emb4", "emb8")):
+        raise argparse.ArgumentTypeError(
+            f"invalid quant {value!r}: expected one of {', '.join(QUANT_SCHEMES)}, optionally followed by "
+            f"+emb4 or +emb8 (e.g. w8a8+emb8)")
+    return value
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return n
+
+
+def _model_flags(p: argparse.ArgumentParser, *, ckpt_required: bool = False) -> None:
+    p.add_argument("--ckpt", required=ckpt_required, default=None,
+                   help="HF checkpoint dir, .gguf file or a `gemmajax quantize` output dir "
+                        "(default: the built-in Gemma 3 270M GGUF)")
+    p.add_argument("--quant", type=quant_arg, default="none", help="none | w8a8 | w4a16 | qat-w4a16 [+emb4|+emb8]")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation dtype")
+    p.add_argument("--max-model-len", type=_positive, default=8192)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gemmajax", description="Gemma 4 inference in pure JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,quantize,aot}")
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _model_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None, help="token budget of one step")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: from ckpt)")
+    p.add_argument("--api-key", default=os.environ.get("GEMMAJAX_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $GEMMAJAX_API_KEY)")
+    p.add_argument("--max-queue", type=_positive, default=256,
+                   help="requests held at once (running + waiting); more get HTTP 429")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(run=_serve)
+
+    p = sub.add_parser("generate", help="generate text for one prompt (offline engine)")
+    _model_flags(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=_positive, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.set_defaults(run=_delegate("gemmajax.engine.cli_generate", "run"))
+
+    p = sub.add_parser("quantize", help="convert and quantize a checkpoint into a fast-loading directory")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--quant", type=quant_arg, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.set_defaults(run=_delegate("gemmajax.quant.cli", "run"))
+
+    p = sub.add_parser("aot", help="compile the serving step for a TPU topology without a TPU; print the HBM fit")
+    p.add_argument("--model", required=True, choices=AOT_MODELS)
+    p.add_argument("--chip", required=True, choices=AOT_CHIPS)
+    p.add_argument("--topology", default="1x1")
+    p.add_argument("--quant", type=quant_arg, default="none")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--max-model-len", type=_positive, default=8192)
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.set_defaults(run=_delegate("gemmajax.aot", "run"))
+    return parser
+
+
+def _not_available(what: str, err: BaseException) -> int:
+    print(f"gemmajax: {what} is not available yet in this build ({type(err).__name__}: {err})", file=sys.stderr)
+    return EXIT_NOT_AVAILABLE
+
+
+def _delegate(module: str, func: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            target = getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError) as e:
+            return _not_available(f"`gemmajax {args.command}` ({module}.{func})", e)
+        rc = target(args)
+        return 0 if rc is None else int(rc)
+
+    return run
+
+
+def run_server(app: Any, *, host: str, port: int, log_level: str = "info",
+               timeout_graceful_shutdown: float | None = 30.0) -> None:
+    """Serve `app` with uvicorn until SIGINT/SIGTERM; in-flight requests get the graceful timeout to finish."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
+    uvicorn.Server(config).run()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from gemmajax.engine.async_engine import AsyncEngineClient
+    except ImportError as e:
+        return _not_available("the serving engine (gemmajax.engine.async_engine.AsyncEngineClient)", e)
+    from gemmajax.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngineClient.from_args(args)
+    app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue)
+    run_server(app, host=args.host, port=args.port, log_level=args.log_level,
+               timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `gemmajax` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

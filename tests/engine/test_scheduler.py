@@ -1,0 +1,301 @@
+"""Scheduler: budgets, chunking, decode-first order, preemption by recompute, abort, impossible requests and
+stop conditions. The end-to-end loops run a fake model that writes token ids into per-group page stores and
+checks that every query reads exactly its visible history through the page tables (full and sliding groups,
+prefix-cache hits included), then "samples" a pseudo-random token that is a function of that history, so a
+run with preemptions must produce the same tokens as a run without."""
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+
+from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
+from gemmajax.engine.sampling_params import SamplingParams
+from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
+from gemmajax.engine.sequence import Sequence, SequenceStatus
+
+VOCAB = 50
+
+
+def next_token(history):
+    return hashlib.blake2b(np.asarray(history, np.int64).tobytes(), digest_size=4).digest()[0] % VOCAB
+
+
+class FakeModel:
+    def __init__(self, bm):
+        self.bm = bm
+        self.store = [np.full((g.num_pages, g.page_size), -1) for g in bm.groups]
+
+    def step(self, out):
+        bm = self.bm
+        for seq, n in out.scheduled:  # every write of the step first, as the kernel does
+            c = seq.num_computed_tokens
+            for g, spec in enumerate(bm.groups):
+                for pos in range(c, c + n):
+                    page = seq.page_tables[g][pos // spec.page_size]
+                    assert page != 0, f"{seq}: position {pos} has no page in group {spec.name}"
+                    assert bm.ref_count(g, page) == 1, f"{seq}: writes into shared page {page}"
+                    self.store[g][page, pos % spec.page_size] = seq.token_ids[pos]
+        sampled = {}
+        for seq, n in out.scheduled:
+            c = seq.num_computed_tokens
+            for g, spec in enumerate(bm.groups):
+                for q in range(c, c + n):
+                    lo = 0 if spec.window is None else max(0, q - spec.window + 1)
+                    for j in range(lo, q + 1):
+                        page = seq.page_tables[g][j // spec.page_size]
+                        assert page != 0 and self.store[g][page, j % spec.page_size] == seq.token_ids[j], (
+                            f"{seq}: query {q} reads a wrong key at {j} in group {spec.name}")
+            if c + n == seq.num_tokens:
+                sampled[seq.seq_id] = next_token(seq.token_ids)
+        return sampled
+
+
+def assert_refcounts(bm, live):
+    for g, spec in enumerate(bm.groups):
+        counts = np.zeros(spec.num_pages, int)
+        for s in live:
+            for p in (s.page_tables[g] if s.page_tables else []):
+                counts[p] += p != 0
+        np.testing.assert_array_equal([bm.ref_count(g, p) for p in range(spec.num_pages)], counts)
+
+
+def run_to_completion(sched, model, max_steps=5000):
+    cfg = sched.config
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs and sched.num_running <= cfg.max_num_seqs
+        assert len({s.seq_id for s, _ in out.scheduled}) == len(out.scheduled)
+        sizes = [n for _, n in out.scheduled]
+        assert sizes == sorted(sizes, key=lambda n: n != 1), "decodes must come first"
+        sched.update_after_step(out, model.step(out))
+        assert_refcounts(sched.block_manager, sched.running + list(sched.waiting))
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return steps
+
+
+def workload(seed=0, n=14):
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(16)]
+    reqs = []
+    for i in range(n):
+        length = rng.randrange(5, 41)
+        prompt = (shared + [rng.randrange(VOCAB) for _ in range(length)])[:length] if i % 2 else \
+            [rng.randrange(VOCAB) for _ in range(length)]
+        reqs.append((f"req{i}", prompt, SamplingParams(max_tokens=rng.randrange(5, 31), ignore_eos=True)))
+    return reqs
+
+
+def make(full_pages, sliding_pages, prefix=True, **cfg):
+    bm = BlockManager([KVGroupSpec("full", full_pages, 4), KVGroupSpec("sliding", sliding_pages, 4, window=8)],
+                      enable_prefix_caching=prefix)
+    config = SchedulerConfig(**{"max_num_seqs": 6, "max_num_batched_tokens": 32, "max_model_len": 80,
+                                "eos_token_ids": (0,), **cfg})
+    return Scheduler(config, bm), bm
+
+
+def run_workload(full_pages, sliding_pages, prefix=True, seed=0):
+    sched, bm = make(full_pages, sliding_pages, prefix)
+    seqs = [Sequence(rid, p, sp) for rid, p, sp in workload(seed)]
+    for s in seqs:
+        sched.add(s)
+    run_to_completion(sched, FakeModel(bm))
+    for s in seqs:
+        assert s.status == SequenceStatus.FINISHED_LENGTH and s.finish_reason == "length"
+        assert s.num_output_tokens == s.params.max_tokens
+    for g in range(2):
+        assert bm.num_free_pages(g) == bm.num_usable_pages(g)
+    return {s.request_id: s.output_token_ids for s in seqs}, sched
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_preemption_loses_nothing_and_changes_nothing(prefix):
+    reference, ref_sched = run_workload(1000, 1000, prefix=prefix)
+    assert ref_sched.num_preemptions == 0
+    tiny, sched = run_workload(19, 13, prefix=prefix)  # a 70-token request needs 18 full pages of the 18 + 1
+    assert sched.num_preemptions > 0
+    assert tiny == reference
+    if prefix:
+        assert ref_sched.num_prefix_cache_hit_tokens > 0
+
+
+def test_budget_max_num_seqs_and_fifo():
+    sched, _ = make(1000, 1000, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [Sequence(f"r{i}", list(range(100 + 30 * i, 130 + 30 * i))) for i in range(10)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("r0", 30), ("r1", 30), ("r2", 4)]
+    assert [e.samples for e in out.scheduled] == [True, True, False]
+    sched.update_after_step(out, {seqs[0].seq_id: 1, seqs[1].seq_id: 2})
+    out = sched.schedule()  # 2 decodes, r2's remaining 26, r3 whole; 6 tokens left but 4 running already
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("r0", 1), ("r1", 1), ("r2", 26), ("r3", 30)]
+    assert out.num_decodes == 2 and sched.num_running == 4 and sched.num_waiting == 6
+
+
+def test_chunked_prefill_splits_exactly():
+    sched, _ = make(1000, 1000, max_num_batched_tokens=32, max_model_len=200)
+    s = Sequence("a", list(range(100)), SamplingParams(max_tokens=3, ignore_eos=True))
+    sched.add(s)
+    chunks = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        sched.update_after_step(out, {s.seq_id: 7} if out.scheduled[0].samples else {})
+    assert chunks == [32, 32, 32, 4, 1, 1]
+    assert s.output_token_ids == [7, 7, 7]
+
+    sched, _ = make(1000, 1000, max_num_batched_tokens=32, max_model_len=200, long_prefill_token_threshold=20)
+    t = Sequence("b", list(range(100)), SamplingParams(max_tokens=1))
+    u = Sequence("c", list(range(200, 210)), SamplingParams(max_tokens=1))
+    sched.add(t)
+    sched.add(u)
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("b", 20), ("c", 10)]
+
+
+def test_decodes_first_then_partial_prefills_then_new():
+    sched, _ = make(1000, 1000, max_num_batched_tokens=16, max_model_len=200)
+    a = Sequence("a", [1, 2, 3])
+    b = Sequence("b", list(range(40)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 3), ("b", 13)]
+    sched.update_after_step(out, {a.seq_id: 5})
+    c = Sequence("c", [9, 9])
+    sched.add(c)
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 1), ("b", 15)]  # no budget left for c
+    sched.update_after_step(out, {a.seq_id: 6})
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 1), ("b", 12), ("c", 2)]
+
+
+def test_chunking_off_rejects_or_waits():
+    sched, _ = make(1000, 1000, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    too_long = Sequence("x", list(range(17)))
+    sched.add(too_long)
+    assert too_long.finish_reason == "error" and "chunked prefill" in too_long.error
+    a, b = Sequence("a", list(range(10))), Sequence("b", list(range(10)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 10)]  # b does not fit whole: it waits
+    assert out.finished == [too_long]
+
+
+def test_preempted_goes_to_front_with_output_kept():
+    # One group of 4 usable pages of 4 tokens: a (8 tokens) and b (7) fit, then b's growth does not.
+    bm = BlockManager([KVGroupSpec("full", 5, 4)], enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16), bm)
+    a = Sequence("a", list(range(8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Sequence("b", list(range(7)), SamplingParams(max_tokens=8, ignore_eos=True))
+    c = Sequence("c", [1, 2])
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 8), ("b", 7)]  # c: no pages
+    sched.update_after_step(out, {a.seq_id: 11, b.seq_id: 12})
+    out = sched.schedule()  # a needs page 3 for position 8: the newest (b) is preempted
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 1)]
+    assert out.preempted == [b] and list(sched.waiting) == [b, c]
+    assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.output_token_ids == [12]
+    assert b.page_tables == [] and bm.num_free_pages(0) == 1
+    sched.abort("a")
+    out = sched.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("b", 8), ("c", 2)]  # recompute includes output
+
+
+def test_abort_frees_pages_at_once():
+    sched, bm = make(1000, 1000, max_num_batched_tokens=64)
+    a = Sequence("a", list(range(30)))
+    b = Sequence("b", list(range(5)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert bm.num_free_pages(0) < bm.num_usable_pages(0)
+    assert sched.abort("a") is a
+    assert a.status == SequenceStatus.FINISHED_ABORTED and a.finish_reason == "abort"
+    assert a.page_tables == [] and sched.num_running == 1
+    assert sched.abort("a") is None and sched.abort("nope") is None
+    sched.update_after_step(out, {a.seq_id: 1, b.seq_id: 2})  # a was aborted mid-step: ignored
+    assert a.num_output_tokens == 0 and b.output_token_ids == [2]
+    assert sched.abort("b") is b
+    for g in range(2):
+        assert bm.num_free_pages(g) == bm.num_usable_pages(g)
+    assert not sched.has_unfinished()
+    w = Sequence("w", [1])
+    sched.add(w)
+    assert sched.abort("w") is w and sched.num_waiting == 0
+
+
+def test_impossible_requests_finish_with_error():
+    sched, _ = make(19, 13, max_model_len=80)
+    long_prompt = Sequence("long", list(range(81)))
+    sched.add(long_prompt)
+    assert long_prompt.status == SequenceStatus.FINISHED_ERROR and long_prompt.finish_reason == "error"
+    assert "81 tokens" in long_prompt.error and "max_model_len=80" in long_prompt.error
+    big = Sequence("big", list(range(60)), SamplingParams(max_tokens=20))  # 79 KV tokens: 20 full pages > 18
+    sched.add(big)
+    assert big.finish_reason == "error" and "'full'" in big.error and "pool has 18" in big.error
+    ok = Sequence("ok", list(range(60)), SamplingParams(max_tokens=13))  # 72 KV tokens: 18 pages
+    sched.add(ok)
+    assert ok.status == SequenceStatus.WAITING
+    out = sched.schedule()
+    assert out.finished == [long_prompt, big] and sched.schedule().finished == []
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add(Sequence("ok", [1]))
+
+
+def test_stop_conditions():
+    sched, _ = make(1000, 1000, max_model_len=12, eos_token_ids=(0,))
+
+    def drive(seq, tokens):
+        sched.add(seq)
+        for t in tokens:
+            if seq.is_finished:
+                break
+            out = sched.schedule()
+            sched.update_after_step(out, {seq.seq_id: t})
+        return seq
+
+    s = drive(Sequence("eos", [5, 6]), [4, 0, 4])
+    assert (s.finish_reason, s.stop_reason, s.output_token_ids) == ("stop", None, [4, 0])
+    s = drive(Sequence("min", [5, 6], SamplingParams(min_tokens=2)), [0, 0, 0, 4])
+    assert (s.finish_reason, s.output_token_ids) == ("stop", [0, 0, 0])
+    s = drive(Sequence("ids", [5], SamplingParams(stop_token_ids=[7])), [3, 7, 3])
+    assert (s.finish_reason, s.stop_reason, s.status) == ("stop", 7, SequenceStatus.FINISHED_STOPPED)
+    s = drive(Sequence("ign", [5], SamplingParams(ignore_eos=True, max_tokens=3)), [0, 0, 0, 0])
+    assert (s.finish_reason, s.output_token_ids) == ("length", [0, 0, 0])
+    s = drive(Sequence("len", list(range(1, 10)), SamplingParams(max_tokens=64)), [1] * 10)
+    assert (s.finish_reason, s.num_tokens) == ("length", 12)  # max_model_len
+    s = Sequence("str", [5], SamplingParams(stop=["ab"]))
+    drive(s, [3])
+    sched.finish(s, "stop", "ab")  # what the runner does on a stop string
+    assert (s.finish_reason, s.stop_reason, sched.has_unfinished()) == ("stop", "ab", False)
+    with pytest.raises(ValueError, match="finish reason"):
+        sched.finish(Sequence("z", [1]), "done")
+
+
+def test_banned_ids_below_min_tokens():
+    s = Sequence("a", [1], SamplingParams(min_tokens=2, stop_token_ids=[9]))
+    assert s.banned_token_ids((0, 1)) == [9, 0, 1]
+    s.append_token(3)
+    s.append_token(3)
+    assert s.banned_token_ids((0, 1)) == []
+    t = Sequence("b", [1], SamplingParams(min_tokens=1, ignore_eos=True))
+    assert t.banned_token_ids((0,)) == []
+
+
+def test_update_requires_sampled_token():
+    sched, _ = make(1000, 1000)
+    s = Sequence("a", [1, 2])
+    sched.add(s)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.update_after_step(out, {})

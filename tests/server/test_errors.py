@@ -1,0 +1,251 @@
+"""Bad requests, auth, overload, engine failure, client disconnects, and /metrics, on a real server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import make_app, running_server, wait_until
+from tests.server.fake_engine import FakeEngineClient
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_malformed_and_invalid_bodies(base_url: str) -> None:
+    url = f"{base_url}/v1/chat/completions"
+    err = _error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert "malformed JSON" in err["message"]
+    assert "empty" in _error(httpx.post(url, content=b""), 400)["message"]
+    assert "JSON object" in _error(httpx.post(url, json=[1, 2]), 400)["message"]
+    cases = [
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "max_tokens": -3}, "max_tokens"),
+        ({"messages": USER, "n": "two"}, "n"),
+        ({"messages": USER, "stop": 5}, "stop"),
+        ({"messages": USER, "stream": "maybe"}, "stream"),
+        ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": USER, "chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages.0"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages.0.content.0"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
+         "messages.0.tool_calls.0.function.arguments"),
+        ({}, "messages"),
+    ]
+    for body, param in cases:
+        err = _error(httpx.post(url, json=body), 400)
+        assert err["param"] == param, (body, err)
+        assert err["type"] == "invalid_request_error"
+        assert param.split(".")[0] in err["message"], err
+
+
+def test_bad_field_via_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-gemma", messages=USER, top_p=7)
+    assert e.value.body["param"] == "top_p" and "7" in e.value.body["message"]
+
+
+def test_unknown_model_route_and_method(base_url: str, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-5", messages=USER)
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    assert "/v1/nope" in _error(httpx.get(f"{base_url}/v1/nope"), 404)["message"]
+    assert "GET" in _error(httpx.get(f"{base_url}/v1/chat/completions"), 405)["message"]
+    # the model field may be left out (the one served model is meant)
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello there!"
+
+
+def test_prompt_too_long_and_capped(client: openai.OpenAI, engine: FakeEngineClient) -> None:
+    n_overhead = len(engine.render_chat([{"role": "user", "content": ""}], tools=None, enable_thinking=False))
+    long = [{"role": "user", "content": "x" * 300}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-gemma", messages=long)
+    msg = e.value.body["message"]
+    assert f"{300 + n_overhead} tokens" in msg and "200 tokens" in msg, msg
+    assert e.value.body["code"] == "context_length_exceeded"
+    fits = [{"role": "user", "content": "x" * (150 - n_overhead)}]
+    client.chat.completions.create(model="fake-gemma", messages=fits, max_tokens=100)
+    assert engine.calls[-1][2].max_tokens == 50  # 200 - 150: capped like vLLM
+
+
+def test_api_key() -> None:
+    engine = FakeEngineClient()
+    with running_server(make_app(engine, api_key="s3cret")) as url:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            err = _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, headers=headers), 401)
+            assert err["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert ok.chat.completions.create(model="fake-gemma", messages=USER).choices[0].message.content
+        assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert not engine.aborted
+
+
+def test_queue_full_gives_429() -> None:
+    engine = FakeEngineClient()
+    engine.gate.clear()  # generations block before their first token
+    with running_server(make_app(engine, max_queue=2)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(client.chat.completions.create, model="fake-gemma", messages=USER)
+                    for _ in range(2)]
+            wait_until(lambda: len(engine.active) == 2, what="two requests in the engine")
+            r = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER})
+            err = _error(r, 429)
+            assert r.headers["retry-after"] == "1" and "2 requests" in err["message"]
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model="fake-gemma", prompt="x")
+            engine.gate.set()
+            assert [f.result().choices[0].message.content for f in held] == ["Hello there!"] * 2
+        # slots were released: new requests pass again
+        assert client.chat.completions.create(model="fake-gemma", messages=USER).choices[0].finish_reason == "stop"
+        assert len(engine.calls) == 3 and not engine.aborted
+
+
+def test_engine_failure_is_500_and_server_survives(base_url: str, client: openai.OpenAI,
+                                                   engine: FakeEngineClient) -> None:
+    engine.fail_after = 2
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="fake-gemma", messages=USER)
+    assert "device lost" in e.value.body["message"] and e.value.body["type"] == "server_error"
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert "device lost" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+    engine.fail_after = None
+    assert client.chat.completions.create(model="fake-gemma", messages=USER).choices[0].message.content
+
+
+def test_stream_disconnect_aborts(base_url: str, engine: FakeEngineClient) -> None:
+    engine.reply = "x" * 150
+    engine.token_delay = 0.02
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
+        for line in r.iter_lines():
+            if '"content":"x"' in line:
+                break  # got a token: now hang up
+    rid = engine.calls[0][0]
+    wait_until(lambda: rid in engine.aborted and rid not in engine.active, timeout=2, what="the abort")
+    assert engine.tokens_emitted[rid] < 60  # it stopped right away, not after 150 tokens
+
+
+def test_nonstream_disconnect_aborts(base_url: str, engine: FakeEngineClient) -> None:
+    engine.gate.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, timeout=0.3)
+    wait_until(lambda: len(engine.calls) == 1 and engine.calls[0][0] in engine.aborted, timeout=3,
+               what="the abort")
+    wait_until(lambda: not engine.active, timeout=2, what="the generation to stop")
+    assert engine.tokens_emitted[engine.calls[0][0]] == 0
+
+
+def test_n_stream_disconnect_aborts_every_choice(base_url: str, engine: FakeEngineClient) -> None:
+    engine.reply = "y" * 150
+    engine.token_delay = 0.02
+    body = {"messages": USER, "stream": True, "n": 3}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if '"content":"y"' in line:
+                break
+    wait_until(lambda: len(engine.aborted) == 3 and not engine.active, timeout=2, what="three aborts")
+    assert sorted(engine.aborted) == sorted(rid for rid, _, _ in engine.calls)
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    assert m, f"{name}{labels} not in /metrics"
+    return float(m.group(1))
+
+
+def test_metrics(base_url: str, client: openai.OpenAI, engine: FakeEngineClient) -> None:
+    client.chat.completions.create(model="fake-gemma", messages=USER)
+    list(client.chat.completions.create(model="fake-gemma", messages=USER, stream=True, max_tokens=4))
+    client.completions.create(model="fake-gemma", prompt="abc", n=2, max_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=USER)
+    httpx.get(f"{base_url}/v1/unknown")
+    text = httpx.get(f"{base_url}/metrics").text
+    assert _metric(text, "gemmajax_requests_total", '{endpoint="/v1/chat/completions",status="200"}') == 2
+    assert _metric(text, "gemmajax_requests_total", '{endpoint="/v1/chat/completions",status="404"}') == 1
+    assert _metric(text, "gemmajax_requests_total", '{endpoint="/v1/completions",status="200"}') == 1
+    assert _metric(text, "gemmajax_requests_total", '{endpoint="other",status="404"}') == 1
+    chat_prompt = len(engine.calls[0][1])
+    assert _metric(text, "gemmajax_prompt_tokens_total") == 2 * chat_prompt + 3  # n=2 counts its prompt once
+    assert _metric(text, "gemmajax_generation_tokens_total") == 12 + 4 + 2 * 3
+    assert _metric(text, "gemmajax_time_to_first_token_seconds_count") == 4  # one per generation
+    assert _metric(text, "gemmajax_e2e_request_latency_seconds_count") == 4
+    assert _metric(text, "gemmajax_inter_token_latency_seconds_count") == 11 + 3 + 2 * 2
+    assert _metric(text, "gemmajax_num_requests_running") == 0
+    assert _metric(text, "gemmajax_num_requests_waiting") == 0
+    assert _metric(text, "gemmajax_kv_cache_usage_perc") == 0.25
+    assert _metric(text, "gemmajax_engine_num_preemptions") == 2
+    assert _metric(text, "gemmajax_server_requests_in_flight") == 0
+
+
+def test_metrics_registry_is_per_app() -> None:
+    a, b = make_app(FakeEngineClient()), make_app(FakeEngineClient())
+    assert a.state.metrics.registry is not b.state.metrics.registry
+    from prometheus_client import REGISTRY
+
+    assert "gemmajax_requests" not in REGISTRY._names_to_collectors
+
+
+def test_engine_rejections_are_400(base_url: str, client: openai.OpenAI, engine: FakeEngineClient) -> None:
+    class GrammarError(ValueError):
+        pass
+
+    engine.reject = GrammarError("unsupported keyword 'patternProperties'")
+    import sys
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(json_schema_grammar=lambda schema: "G", thinking_then=lambda g: g,
+                           json_object_grammar=lambda: "G", tool_call_grammar=lambda *a: "G", GrammarError=GrammarError)
+    old = sys.modules.get("gemmajax.tools.constrained")
+    sys.modules["gemmajax.tools.constrained"] = fake
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="fake-gemma", messages=USER, response_format={"type": "json_object"})
+    finally:
+        if old is None:
+            del sys.modules["gemmajax.tools.constrained"]
+        else:
+            sys.modules["gemmajax.tools.constrained"] = old
+    assert e.value.body["param"] == "response_format" and "patternProperties" in e.value.body["message"]
+    engine.reject = ValueError("prompt token ids must be in [0, 262144), got [999999]")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake-gemma", prompt=[999999])
+    assert "999999" in e.value.body["message"]
+    engine.reject = None
+    engine.error_after = 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-gemma", messages=USER)
+    assert "KV pages" in e.value.body["message"]
+    engine.error_after = 3
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="fake-gemma", messages=USER)
+    assert "after 3 tokens" in e.value.body["message"]
+    assert not {rid for rid, _, _ in engine.calls[-2:]} & set(engine.aborted)  # finished: nothing to abort
+    engine.healthy = False
+    assert _error(httpx.get(f"{base_url}/health"), 503)["type"] == "server_error"
