@@ -11,10 +11,11 @@ import hashlib
 import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +36,9 @@ class GGUFError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ names
-# GGUF name -> HF name, for llama.cpp's converter (convert_hf_to_gguf.py / conversion/gemma.py) and the tensor
-# names of gguf.constants. "{i}" is the layer index. Everything not listed here is an error, except _IGNORED.
+# GGUF name -> HF name, inverting llama.cpp's converter (conversion/gemma.py) over the tensor names declared in
+# gguf.constants. Layer tables map "blk.{i}.<key>" to "model.layers.{i}.<value>". A tensor not listed here is an
+# error, except _IGNORED and the k/v copies of KV-shared layers.
 
 _GEMMA_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -172,8 +174,10 @@ class _Cursor:
 
 def _parse(path: str) -> tuple[np.memmap, int, dict[str, Any], list[tuple[str, tuple[int, ...], int, int]]]:
     """Returns (file bytes, version, metadata, [(name, numpy shape, ggml type, absolute offset)])."""
+    if os.path.getsize(path) < 24:  # (np.memmap cannot map an empty file)
+        raise GGUFError(f"{path}: not a GGUF file ({os.path.getsize(path)} bytes, shorter than a GGUF header)")
     buf = np.memmap(path, dtype=np.uint8, mode="r")
-    if len(buf) < 24 or buf[:4].tobytes() != _MAGIC:
+    if buf[:4].tobytes() != _MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (expected magic {_MAGIC!r}, found {buf[:4].tobytes()!r})")
     c = _Cursor(buf, path)
     c.pos = 4
@@ -316,7 +320,8 @@ def _gemma3_config(m: _Meta, shapes: dict[str, tuple[int, ...]]) -> dict:
         "attention_bias": False,
         "use_bidirectional_attention": False,
         "tie_word_embeddings": "output.weight" not in shapes,
-        **{"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **_token_ids(m.meta)},
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        **_token_ids(m.meta),
     }
 
 
@@ -331,8 +336,8 @@ def _gemma4_config(m: _Meta, shapes: dict[str, tuple[int, ...]], rope_freqs: np.
                         f"block_count={L}")
     layer_types = ["sliding_attention" if bool(s) else "full_attention" for s in swa]
     kv = m.int_or_list("attention.head_count_kv", L)
-    kv_swa = {k for k, t in zip(kv, layer_types) if t == "sliding_attention"}
-    kv_full = {k for k, t in zip(kv, layer_types) if t == "full_attention"}
+    kv_swa = {k for k, t in zip(kv, layer_types, strict=True) if t == "sliding_attention"}
+    kv_full = {k for k, t in zip(kv, layer_types, strict=True) if t == "full_attention"}
     if len(kv_swa) > 1 or len(kv_full) > 1:
         raise GGUFError(f"{m.path}: gemma4.attention.head_count_kv {kv} is not one value per layer type")
     n_kv = kv_swa.pop() if kv_swa else kv[0]
@@ -454,9 +459,9 @@ def _expected_shapes(arch: str, cfg: dict) -> dict[str, tuple[int, ...]]:
 
 def _sentencepiece_model(path: str, meta: dict[str, Any]) -> bytes:
     """A SentencePiece BPE ModelProto from tokenizer.ggml.{tokens,scores,token_type}, pieces as the file names
-    them. For a "gemma4" vocabulary (scores are a -1000 placeholder; the order lives in tokenizer.ggml.merges)
-    the score of each piece becomes minus the rank of the first merge producing it, which is the priority
-    SentencePiece's BPE gives to scores."""
+    them (whitespace runs aside, see below). For a "gemma4" vocabulary (scores are a -1000 placeholder; the
+    order lives in tokenizer.ggml.merges) the score of each piece becomes minus the rank of the first merge
+    producing it, which is the priority SentencePiece's BPE gives to scores."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     model = meta.get("tokenizer.ggml.model")
@@ -467,8 +472,8 @@ def _sentencepiece_model(path: str, meta: dict[str, Any]) -> bytes:
         raise GGUFError(f"{path}: no tokenizer.ggml.tokens in the file: it carries no vocabulary")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     n = len(tokens)
-    scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32)
-    types = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(n)), np.int64)
+    scores = np.array(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32)   # copies: edited below
+    types = np.array(meta.get("tokenizer.ggml.token_type", np.ones(n)), np.int64)
     if len(scores) != n or len(types) != n:
         raise GGUFError(f"{path}: tokenizer.ggml.scores ({len(scores)}) and token_type ({len(types)}) must have "
                         f"one entry per token ({n})")
@@ -481,6 +486,14 @@ def _sentencepiece_model(path: str, meta: dict[str, Any]) -> bytes:
             i = index.get(left + right)
             if i is not None:
                 scores[i] = -float(rank)
+    # llama.cpp writes the whitespace-run pieces ("  ", "   ", ...) with real spaces, user-defined; HF's Gemma
+    # tokenizer spells them "▁▁"... and reaches them by merges ranked ahead of every other merge, in id order.
+    # Respelled as normal pieces with the top scores, SentencePiece segments runs of spaces as HF does.
+    tokens = list(tokens)
+    spaces = [i for i, t in enumerate(tokens) if types[i] == 4 and t and t.strip(" ") == ""]
+    top = float(scores[types == 1].max()) if np.any(types == 1) else 0.0
+    for k, i in enumerate(spaces):
+        tokens[i], types[i], scores[i] = "\u2581" * len(tokens[i]), 1, top + len(spaces) - k
     # GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
     kinds = {1: pb.ModelProto.SentencePiece.NORMAL, 2: pb.ModelProto.SentencePiece.UNKNOWN,
              3: pb.ModelProto.SentencePiece.CONTROL, 4: pb.ModelProto.SentencePiece.USER_DEFINED,
@@ -494,16 +507,23 @@ def _sentencepiece_model(path: str, meta: dict[str, Any]) -> bytes:
     ts.bos_id = int(meta.get("tokenizer.ggml.bos_token_id", 2))
     ts.eos_id = int(meta.get("tokenizer.ggml.eos_token_id", 1))
     ts.pad_id = int(meta.get("tokenizer.ggml.padding_token_id", 0))
+    # SentencePiece finds its special ids through these piece names ("<s>", "</s>", ... by default).
+    for field, i in (("unk_piece", ts.unk_id), ("bos_piece", ts.bos_id), ("eos_piece", ts.eos_id),
+                     ("pad_piece", ts.pad_id)):
+        if 0 <= i < n:
+            setattr(ts, field, tokens[i])
     ns = proto.normalizer_spec
     ns.name = "identity"
     ns.add_dummy_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
     ns.remove_extra_whitespaces = False
     ns.escape_whitespaces = True
-    for piece, score, t in zip(tokens, scores.tolist(), types.tolist()):
+    for i, (piece, score, t) in enumerate(zip(tokens, scores.tolist(), types.tolist(), strict=True)):
         sp = proto.pieces.add()
         sp.piece = piece
         sp.score = score
         sp.type = kinds.get(t, pb.ModelProto.SentencePiece.NORMAL)
+        if i == ts.unk_id:  # llama.cpp marks <unk> CONTROL (added_tokens_decoder); SentencePiece wants UNKNOWN
+            sp.type = pb.ModelProto.SentencePiece.UNKNOWN
     return proto.SerializeToString()
 
 
@@ -519,7 +539,9 @@ def _as_dtype(dtype) -> np.dtype:
 class GGUFCheckpoint:
     """A parsed GGUF file: `config` (HF-style dict), `architecture`, `tensor_info` (HF name -> GGUFTensorInfo),
     `shapes`, the lazily dequantized tensors (`tensor(name)`, `iter_tensors()`, or all at once as `tensors`),
-    and `tokenizer_model` (SentencePiece ModelProto bytes). Only the header is read on construction."""
+    `tokenizer_model` (SentencePiece ModelProto bytes) and `metadata` (every GGUF key: scalars as Python values,
+    numeric arrays as numpy, string arrays as lists). Construction reads the header and nothing else (except
+    Gemma 4's tiny rope_freqs)."""
 
     def __init__(self, path: str, dtype=np.float32):
         self.path = os.fspath(path)
@@ -591,12 +613,16 @@ class GGUFCheckpoint:
     def _read(self, info: GGUFTensorInfo, dtype: np.dtype) -> np.ndarray:
         from gguf.quants import dequantize
 
-        raw = self._buf[info.offset:info.offset + info.nbytes]
+        raw = np.asarray(self._buf)[info.offset:info.offset + info.nbytes]  # plain ndarray view, not np.memmap
         if info.ggml_type in _PLAIN_TYPES:
             arr = raw.view(_PLAIN_TYPES[info.ggml_type]).reshape(info.shape)
         else:
             rows = info.shape[:-1] if info.shape else ()
-            arr = dequantize(raw.reshape(*rows, -1), info.ggml_type).reshape(info.shape)
+            try:
+                arr = dequantize(raw.reshape(*rows, -1), info.ggml_type).reshape(info.shape)
+            except NotImplementedError:
+                raise GGUFError(f"{self.path}: tensor {info.gguf_name} is stored as {info.type_name}, which the "
+                                "installed gguf package cannot dequantize (try a newer `gguf`)") from None
         offset = _norm_offset(self.architecture, info.gguf_name)
         if offset:
             arr = arr - np.float32(offset)  # float32, as transformers does before casting

@@ -145,9 +145,8 @@ def open_checkpoint(ckpt: str | os.PathLike) -> Checkpoint:
         from gemmajax.model.gguf import read_gguf
         g = read_gguf(ckpt)
         cfg = ModelConfig.from_hf(g.config, name=os.path.basename(ckpt))
-        tensors = g.tensors
-        return Checkpoint(cfg, g.config, list(tensors), lambda n: tensors[n].shape, lambda n: tensors[n],
-                          sum(t.nbytes for t in tensors.values()), ckpt, "gguf")
+        shapes = g.shapes
+        return Checkpoint(cfg, g.config, list(shapes), lambda n: shapes[n], g.tensor, g.nbytes, ckpt, "gguf")
     if not os.path.isdir(ckpt):
         raise FileNotFoundError(f"checkpoint {ckpt!r}: not a directory or a .gguf file")
     cfg_path = os.path.join(ckpt, "config.json")
