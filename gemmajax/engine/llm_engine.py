@@ -159,7 +159,10 @@ class LLMEngine:
             entries.append((seq.token_ids[c:c + n], c, n, [list(pt) for pt in seq.page_tables]))
         T = sum(n for _, n in sched.scheduled)
         S = len(sched.scheduled)
-        inp = build_step_inputs(self.spec, entries, bucket(T, self.t_buckets), bucket(S, self.s_buckets))
+        s_pad = bucket(S, self.s_buckets)
+        # an all-decode step is padded to its sequence bucket (one token each), a mixed one to a token bucket
+        t_pad = s_pad if T == S else max(bucket(T, self.t_buckets), s_pad)
+        inp = build_step_inputs(self.spec, entries, t_pad, s_pad)
         logits = self.runner.forward(inp)
         rows = [i for i, s in enumerate(sched.scheduled) if s.samples]
         sampled: dict[int, int | None] = {}

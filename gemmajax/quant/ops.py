@@ -1,16 +1,62 @@
-"""Dispatch for weight matmuls and row gathers (dense path; QuantArray support is added beside it)."""
+"""Dispatch for weight matmuls and row gathers: plain arrays keep the dense path, QuantArrays pick their kernel.
+
+Design choices: the model calls only `linear` and `take_rows`, with weights in Hugging Face's [out, in] layout;
+the kind of a QuantArray (static metadata) chooses w8a8 or w4a16, and `impl` chooses the implementation, by
+default at lowering time (Pallas for TPU, XLA elsewhere), so the same jitted model serves CPU, GPU and TPU AOT.
+"""
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+from gemmajax.quant.array import QuantArray
+from gemmajax.quant.int4_matmul import int4_matmul
+from gemmajax.quant.int8_matmul import int8_matmul
+from gemmajax.quant.quantize import dequantize_rows
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """y = x @ w.T. x: [..., in]; w: [out, in] (Hugging Face layout). Returns [..., out] in x.dtype."""
-    return jnp.dot(x, w.T.astype(x.dtype))
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+_MATMULS = {"int8": int8_matmul, "int4": int4_matmul}
 
 
-def take_rows(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
-    """table: [V, D]; ids: int [...]. Returns table[ids]: [..., D] (cast to dtype if given)."""
+def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.Array:
+    """y = x @ w.T. x: [..., in]; w: [out, in] (Hugging Face layout), a plain array or a QuantArray.
+
+    Returns [..., out] in x.dtype. A QuantArray with leading dims [*L, out, in] (e.g. experts) takes x [*L, ..., in]
+    and multiplies each leading slice by its own matrix. impl: "auto" | "xla" | "pallas" | "pallas_interpret"
+    (ignored for plain arrays).
+    """
+    if not isinstance(w, QuantArray):
+        return jnp.dot(x, w.T.astype(x.dtype))
+    if impl not in IMPLS:
+        raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
+    lead = w.shape[:-2]
+    if tuple(x.shape[: len(lead)]) != lead:
+        raise ValueError(f"linear: a weight {w.shape} with leading dims {lead} needs x [*{lead}, ..., {w.shape[-1]}], "
+                         f"got x {tuple(x.shape)}")
+    fn = _MATMULS[w.kind]
+    if not lead:
+        return fn(x, w, impl)
+
+    # One [out, in] slice at a time (lax.map: a loop, so each slice keeps its fast single-matrix form; vmap of a
+    # pallas_call is also not supported by the TPU interpreter).
+    e = math.prod(lead)
+    xs = x.reshape(e, *x.shape[len(lead):])
+    vs = w.values.reshape(e, *w.values.shape[len(lead):])
+    ss = w.scale.reshape(e, *w.scale.shape[len(lead):])
+    one = functools.partial(dataclasses.replace, w, shape=w.shape[-2:])
+    y = jax.lax.map(lambda a: fn(a[0], one(values=a[1], scale=a[2]), impl), (xs, vs, ss))
+    return y.reshape(*lead, *y.shape[1:])
+
+
+def take_rows(table: jax.Array | QuantArray, ids: jax.Array, dtype=None) -> jax.Array:
+    """table: [V, D] (plain or QuantArray); ids: int [...]. Returns table[ids]: [..., D] (cast to dtype if given;
+    a QuantArray defaults to the dtype the table had before quantization). A QuantArray table is gathered and
+    unpacked only at the rows read."""
+    if isinstance(table, QuantArray):
+        return dequantize_rows(table, ids, dtype)
     rows = jnp.take(table, ids, axis=0)
     return rows if dtype is None else rows.astype(dtype)

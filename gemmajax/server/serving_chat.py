@@ -144,10 +144,11 @@ class ChatServing(ServingBase):
             if forced:
                 param = "tools"
                 tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+                parallel = req.parallel_tool_calls is not False   # false: exactly one call, then <|tool_response>
                 if isinstance(tc, NamedToolChoice):
-                    grammar = constrained.tool_call_grammar(tools, "named", tc.function.name)
+                    grammar = constrained.tool_call_grammar(tools, "named", tc.function.name, parallel=parallel)
                 else:
-                    grammar = constrained.tool_call_grammar(tools, "required", None)
+                    grammar = constrained.tool_call_grammar(tools, "required", None, parallel=parallel)
             else:
                 param = "response_format"
                 if fmt.type == "json_object":
@@ -173,7 +174,8 @@ class ChatServing(ServingBase):
 
     @staticmethod
     def _finish_reason(out: Any, has_tool_calls: bool) -> str | None:
-        if has_tool_calls and out.finish_reason != "abort":
+        # A call cut off by max_tokens is reported as "length" (the arguments may be incomplete), not "tool_calls".
+        if has_tool_calls and out.finish_reason not in ("abort", "length"):
             return "tool_calls"
         return out.finish_reason
 

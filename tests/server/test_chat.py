@@ -253,7 +253,7 @@ class _FakeConstrained:
     def thinking_then(self, grammar: str) -> str:
         return f"G:think+{grammar}"
 
-    def tool_call_grammar(self, tools: list[dict], mode: str, name: str | None) -> str:
+    def tool_call_grammar(self, tools: list[dict], mode: str, name: str | None, parallel: bool = True) -> str:
         self.calls.append(("tools", [t["function"]["name"] for t in tools], mode, name))
         return f"G:tools:{mode}:{name}"
 

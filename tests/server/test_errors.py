@@ -221,7 +221,7 @@ def test_engine_rejections_are_400(base_url: str, client: openai.OpenAI, engine:
     from types import SimpleNamespace
 
     fake = SimpleNamespace(json_schema_grammar=lambda schema: "G", thinking_then=lambda g: g,
-                           json_object_grammar=lambda: "G", tool_call_grammar=lambda *a: "G", GrammarError=GrammarError)
+                           json_object_grammar=lambda: "G", tool_call_grammar=lambda *a, **k: "G", GrammarError=GrammarError)
     old = sys.modules.get("gemmajax.tools.constrained")
     sys.modules["gemmajax.tools.constrained"] = fake
     try:

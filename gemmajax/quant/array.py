@@ -1,0 +1,184 @@
+"""QuantArray: a quantized weight that goes wherever a weight array goes (a pytree of two arrays).
+
+Design choices: (1) every kind keeps Hugging Face's row-major [..., out, in] layout, so one array serves row
+gathers (embedding tables), the tied LM head, the CPU's fast matrix-vector fusion and the TPU kernels alike;
+(2) int4 packs column j with column j + in_p/2 into one byte (low / high nibble), so unpacking is two shifts
+and no lane interleave on any backend; (3) an int4 weight *is* the bf16 number bf16(level * scale): every path
+(dequantize, XLA, Pallas) rounds the product to bf16, which makes the QAT repack exact and all paths agree.
+
+Physical layouts (logical weight [..., out, in]):
+  int8: values int8 [..., out_p, in]; scale float32 [..., out_p] = max|w_row| / 127; levels -127..127.
+  int4: values uint8 [..., out_p, in_p // 2]; byte j = (q[j] + 8) | (q[j + in_p // 2] + 8) << 4 (biased nibbles,
+        levels -8..7); scale bfloat16 or float32 [..., out_p, in_p // group], one per group along `in`.
+  out_p = out, except out > 4096 and not a multiple of 128: then padded to 128 (the TPU kernels use a full-width
+  block below that size). in_p = in rounded up to 2 * group (int4) so each half holds whole groups; tables pad
+  further (see `quantize_table`). Padding is zero levels; the logical shape is static metadata.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KINDS = ("int8", "int4")
+INT8_MAX = 127
+INT4_MIN, INT4_MAX = -8, 7
+_FULL_BLOCK_OUT = 4096  # out sizes up to this need no padding: the kernels take them as one block
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantArray:
+    """A quantized weight (see the module docstring for the layouts).
+
+    values / scale are the pytree children; kind, shape (logical), group and dtype (the dtype the weight had, and
+    the default of `dequantize`) are static metadata.
+    """
+
+    values: Any  # int8 [..., out_p, in] | uint8 [..., out_p, in_p // 2]
+    scale: Any  # int8: f32 [..., out_p] | int4: bf16/f32 [..., out_p, in_p // group]
+    kind: str = dataclasses.field(metadata={"static": True})
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # logical [..., out, in]
+    group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group along `in`; 0 for int8
+    dtype: Any = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"QuantArray kind must be one of {KINDS}, got {self.kind!r}")
+        if len(self.shape) < 2:
+            raise ValueError(f"QuantArray needs a logical shape [..., out, in], got {self.shape}")
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not hasattr(self.values, "shape"):  # pytree machinery may rebuild us around placeholder leaves
+            return
+        vshape, sshape = tuple(self.values.shape), tuple(self.scale.shape)
+        *lead, out, inp = self.shape
+        out_p = vshape[-2] if len(vshape) >= 2 else -1
+        in_p = vshape[-1] * (2 if self.kind == "int4" else 1) if vshape else -1
+        exp_s = (*lead, out_p) if self.kind == "int8" else (*lead, out_p, in_p // max(self.group, 1))
+        bad = (len(vshape) != len(self.shape) or vshape[:-2] != tuple(lead) or out_p < out or in_p < inp
+               or sshape != exp_s or (self.kind == "int4" and (self.group <= 0 or in_p % (2 * self.group))))
+        if bad:
+            raise ValueError(f"QuantArray {self.kind} {self.shape} (group {self.group}): values shape {vshape} / "
+                             f"scale shape {sshape} do not match the layout (values [..., >= out, >= in"
+                             f"{' / 2' if self.kind == 'int4' else ''}], scale {exp_s})")
+
+    # --- shapes -------------------------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def padded_out(self) -> int:
+        return int(self.values.shape[-2])
+
+    @property
+    def padded_in(self) -> int:
+        return int(self.values.shape[-1]) * (2 if self.kind == "int4" else 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by values and scale (works on abstract arrays too)."""
+        return _nbytes(self.values) + _nbytes(self.scale)
+
+    def __getitem__(self, idx) -> QuantArray:
+        """Index the leading (non-matrix) dims, e.g. experts[e] -> one expert's [out, in] weight."""
+        lead = self.shape[:-2]
+        if not lead:
+            raise IndexError(f"QuantArray {self.shape} has no leading dims to index")
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) > len(lead) or any(i is Ellipsis or i is None for i in idx):
+            raise IndexError(f"QuantArray {self.shape}: only integer / slice indices into the leading dims {lead}")
+        new_lead = np.empty(lead, dtype=np.int8)[idx].shape  # numpy works out the resulting leading shape
+        return dataclasses.replace(self, values=self.values[idx], scale=self.scale[idx],
+                                   shape=tuple(new_lead) + self.shape[-2:])
+
+    def __repr__(self) -> str:
+        g = f", group={self.group}" if self.kind == "int4" else ""
+        return (f"QuantArray({self.kind}, shape={self.shape}{g}, dtype={self.dtype.name}, "
+                f"values={getattr(self.values, 'dtype', '?')}{tuple(self.values.shape)}, "
+                f"scale={getattr(self.scale, 'dtype', '?')}{tuple(self.scale.shape)})")
+
+    # --- constructors -------------------------------------------------------------------------------------------
+    @classmethod
+    def abstract(cls, shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, scale_dtype=None,
+                 sharding=None, pad_in_to: int | None = None) -> QuantArray:
+        """The QuantArray of jax.ShapeDtypeStruct that `quantize(w, kind, ...)` would give for a weight of `shape`.
+
+        For jax.eval_shape, deviceless TPU AOT compiles and loaders: no memory is touched. `sharding` (optional)
+        is attached to both children.
+        """
+        return abstract_quant(shape, kind, group=group, dtype=dtype, scale_dtype=scale_dtype, sharding=sharding,
+                              pad_in_to=pad_in_to)
+
+
+jax.tree_util.register_dataclass(QuantArray)
+
+
+def _nbytes(a) -> int:
+    return int(math.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def padded_out(out: int) -> int:
+    """Physical row count for `out` logical rows (padding only large sizes that are not a multiple of 128)."""
+    return out if out % 128 == 0 or out <= _FULL_BLOCK_OUT else _round_up(out, 128)
+
+
+def padded_in(inp: int, kind: str, group: int = 32, pad_in_to: int | None = None) -> int:
+    """Physical column count (int4: a multiple of 2 * group; `pad_in_to` rounds up further, e.g. 128 / 256)."""
+    m = 2 * group if kind == "int4" else 1
+    if pad_in_to:
+        m = math.lcm(m, pad_in_to)
+    return _round_up(inp, m)
+
+
+def abstract_quant(shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, scale_dtype=None, sharding=None,
+                   pad_in_to: int | None = None) -> QuantArray:
+    """Shapes-only QuantArray for a logical weight `shape` [..., out, in] (see QuantArray.abstract)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    *lead, out, inp = (int(d) for d in shape)
+    group = group if kind == "int4" else 0
+    in_p, out_p = padded_in(inp, kind, group, pad_in_to), padded_out(out)
+    if kind == "int8":
+        vals = jax.ShapeDtypeStruct((*lead, out_p, in_p), jnp.int8, sharding=sharding)
+        sc = jax.ShapeDtypeStruct((*lead, out_p), scale_dtype or jnp.float32, sharding=sharding)
+    else:
+        vals = jax.ShapeDtypeStruct((*lead, out_p, in_p // 2), jnp.uint8, sharding=sharding)
+        sc = jax.ShapeDtypeStruct((*lead, out_p, in_p // group), scale_dtype or jnp.bfloat16, sharding=sharding)
+    return QuantArray(vals, sc, kind, (*lead, out, inp), group, jnp.dtype(dtype))
+
+
+# --- int4 packing ---------------------------------------------------------------------------------------------------
+def pack_int4(q: jax.Array) -> jax.Array:
+    """Levels int [..., in_p] in -8..7 (in_p even) -> uint8 [..., in_p // 2]: low nibble col j, high col j + in_p/2."""
+    h = q.shape[-1] // 2
+    u = (q.astype(jnp.int32) + 8).astype(jnp.uint8)
+    return u[..., :h] | (u[..., h:] << 4)
+
+
+def unpack_int4(v: jax.Array) -> jax.Array:
+    """uint8 [..., H] -> int8 levels [..., 2H] (inverse of pack_int4)."""
+    lo = (v & 15).astype(jnp.int8) - 8
+    hi = (v >> 4).astype(jnp.int8) - 8
+    return jnp.concatenate([lo, hi], axis=-1)
+
+
+def group_scales(scale: jax.Array, group: int) -> jax.Array:
+    """Per-group scales [..., G] -> per-column f32 [..., G * group]."""
+    return jnp.repeat(scale.astype(jnp.float32), group, axis=-1)

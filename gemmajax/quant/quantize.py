@@ -1,0 +1,136 @@
+"""Round-to-nearest quantization, dequantization, vocabulary tables and the `quant` scheme strings.
+
+Design choices: quantization is symmetric round-to-nearest with no calibration data (int8 per output row, int4
+per group of 32 along `in`); vocabulary tables are ordinary QuantArrays [V, D] with per-row (int8) or
+per-row-per-group (int4) scales, so the embedding gather and the tied LM head share one packed copy; the scheme
+string ("w8a8+emb4", ...) is parsed once into a frozen QuantScheme that the loaders consult.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gemmajax.quant.array import (
+    INT4_MAX,
+    INT4_MIN,
+    INT8_MAX,
+    KINDS,
+    QuantArray,
+    group_scales,
+    pack_int4,
+    padded_in,
+    padded_out,
+    unpack_int4,
+)
+
+
+def _pad_to(w: jax.Array, out_p: int, in_p: int) -> jax.Array:
+    pads = [(0, 0)] * (w.ndim - 2) + [(0, out_p - w.shape[-2]), (0, in_p - w.shape[-1])]
+    return jnp.pad(w, pads) if any(p[1] for p in pads) else w
+
+
+def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_in_to: int | None = None
+             ) -> QuantArray:
+    """Round-to-nearest symmetric quantization of a weight w [..., out, in] (Hugging Face layout).
+
+    int8: scale = max|w_row| / 127 per output row (float32 unless scale_dtype says otherwise; the levels are
+    derived from the stored, rounded scale), levels -127..127.
+    int4: scale = max|w_group| / 7 per group of `group` columns (bfloat16 by default), levels -7..7 (the packer
+    and kernels accept -8, which QAT grids use; round-to-nearest never needs it).
+    pad_in_to: pad `in` to a multiple of this (tables: 128 int8 / 256 int4, i.e. 128-byte rows).
+    Returns a QuantArray with dequantize(q) ~= w.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"quantize: kind must be one of {KINDS}, got {kind!r}")
+    w = jnp.asarray(w)
+    if w.ndim < 2:
+        raise ValueError(f"quantize: weight must be [..., out, in], got shape {w.shape}")
+    if kind == "int4" and (group <= 0 or group % 8):
+        raise ValueError(f"quantize: int4 group must be a positive multiple of 8, got {group}")
+    shape, dtype = tuple(w.shape), w.dtype
+    in_p = padded_in(shape[-1], kind, group, pad_in_to)
+    wf = _pad_to(w.astype(jnp.float32), padded_out(shape[-2]), in_p)
+    if kind == "int8":
+        s = (jnp.max(jnp.abs(wf), axis=-1) / INT8_MAX).astype(scale_dtype or jnp.float32)
+        sf = s.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round(wf / jnp.where(sf == 0, 1, sf)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+        return QuantArray(q, s, "int8", shape, 0, dtype)
+    g = wf.reshape(*wf.shape[:-1], in_p // group, group)
+    s = (jnp.max(jnp.abs(g), axis=-1) / INT4_MAX).astype(scale_dtype or jnp.bfloat16)
+    sf = s.astype(jnp.float32)[..., None]
+    q = jnp.clip(jnp.round(g / jnp.where(sf == 0, 1, sf)), INT4_MIN, INT4_MAX).reshape(wf.shape)
+    return QuantArray(pack_int4(q), s, "int4", shape, group, dtype)
+
+
+def dequantize(q: QuantArray, dtype=None) -> jax.Array:
+    """QuantArray -> dense [..., out, in] (the logical shape) in `dtype` (default: the weight's original dtype).
+
+    int8: level * scale in float32. int4: bf16(level * scale) -- the stored weight is that bf16 number.
+    """
+    dtype = q.dtype if dtype is None else dtype
+    if q.kind == "int8":
+        w = q.values.astype(jnp.float32) * q.scale.astype(jnp.float32)[..., None]
+    else:
+        w = (unpack_int4(q.values).astype(jnp.float32) * group_scales(q.scale, q.group)).astype(jnp.bfloat16)
+    return w[..., : q.out_features, : q.in_features].astype(dtype)
+
+
+def dequantize_rows(q: QuantArray, ids: jax.Array, dtype=None) -> jax.Array:
+    """Rows `ids` (int [...]) of a 2-D QuantArray [V, D], dequantized: [..., D]. Gathers and unpacks only those
+    rows (values and scales), never the table."""
+    if q.ndim != 2:
+        raise ValueError(f"take_rows needs a 2-D table [V, D], got QuantArray {q.shape}")
+    dtype = q.dtype if dtype is None else dtype
+    vals = jnp.take(q.values, ids, axis=0)
+    sc = jnp.take(q.scale, ids, axis=0)
+    if q.kind == "int8":
+        rows = vals.astype(jnp.float32) * sc.astype(jnp.float32)[..., None]
+    else:
+        rows = (unpack_int4(vals).astype(jnp.float32) * group_scales(sc, q.group)).astype(jnp.bfloat16)
+    return rows[..., : q.in_features].astype(dtype)
+
+
+def quantize_table(table: jax.Array, bits: int, group: int = 32) -> QuantArray:
+    """Vocabulary table [V, D] (embeddings, per-layer embeddings, tied LM head) -> QuantArray [V, D].
+
+    bits 8: int8, one float32 scale per row, D padded to a multiple of 128.
+    bits 4: int4, one bf16 scale per row per `group` columns, D padded to a multiple of 256 (128 packed bytes),
+    so that row gathers stay aligned. take_rows / linear read the packed table directly.
+    """
+    if table.ndim != 2:
+        raise ValueError(f"quantize_table: table must be [V, D], got shape {table.shape}")
+    if bits == 8:
+        return quantize(table, "int8", pad_in_to=128)
+    if bits == 4:
+        return quantize(table, "int4", group, pad_in_to=256)
+    raise ValueError(f"quantize_table: bits must be 4 or 8, got {bits}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """A parsed `quant` string. linear: None | "int8" | "int4"; qat: exact repack of QAT weights (int4 only);
+    table_bits: None | 4 | 8 for the vocabulary tables."""
+
+    linear: str | None = None
+    qat: bool = False
+    table_bits: int | None = None
+
+    @property
+    def name(self) -> str:
+        base = {None: "none", "int8": "w8a8", "int4": "qat-w4a16" if self.qat else "w4a16"}[self.linear]
+        return base + (f"+emb{self.table_bits}" if self.table_bits else "")
+
+
+_BASES = {"none": (None, False), "w8a8": ("int8", False), "w4a16": ("int4", False), "qat-w4a16": ("int4", True)}
+
+
+def parse_quant(quant: str) -> QuantScheme:
+    """"none" | "w8a8" | "w4a16" | "qat-w4a16", optionally with "+emb4" / "+emb8" -> QuantScheme."""
+    base, _, emb = (quant or "none").strip().lower().partition("+")
+    if base not in _BASES or emb not in ("", "emb4", "emb8"):
+        raise ValueError(f"unknown quant {quant!r}: expected one of {sorted(_BASES)} with an optional "
+                         f"'+emb4' or '+emb8' suffix, e.g. 'w8a8+emb4'")
+    linear, qat = _BASES[base]
+    return QuantScheme(linear, qat, int(emb[3:]) if emb else None)
