@@ -83,7 +83,8 @@ class LLMEngine:
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                kv_cache_memory=config.kv_cache_memory)
         self.spec = RunnerSpec(cfg, groups, config.page_size, num_pages, math.ceil(max_len / config.page_size),
-                               config.kv_dtype, attn_impl=config.attn_impl)
+                               config.kv_dtype, attn_impl=config.attn_impl,
+                               bits=jax.default_backend() == "cpu" and config.attn_impl in ("auto", "ref"))
         windows = {}
         for s in cfg.layers:
             if s.window is not None:

@@ -54,6 +54,7 @@ class RunnerSpec:
     k_scale: float = 1.0
     v_scale: float = 1.0
     attn_impl: str = "auto"
+    bits: bool = False                # bit-stored pages (XLA:CPU writes bf16/fp8 pools in place only this way)
 
     def group_of(self, layer_index: int) -> int:
         return self.groups.index(self.cfg.layers[layer_index].kind)
@@ -63,7 +64,7 @@ class RunnerSpec:
         for li in self.cfg.kv_layers:
             s = self.cfg.layers[li]
             out.append(KVLayout(page_size=self.page_size, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                                dtype=self.kv_dtype))
+                                dtype=self.kv_dtype, bits=self.bits))
         return out
 
     def page_bytes(self) -> list[int]:
@@ -125,7 +126,7 @@ def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInp
             out, pages = ragged_paged_attention(
                 q[0], None if k is None else k[0], None if v is None else v[0], pages, meta,
                 sm_scale=cfg.attn_scale, sliding_window=lspec.window, soft_cap=cfg.attn_logit_softcap,
-                k_scale=spec.k_scale, v_scale=spec.v_scale, impl=impl)
+                k_scale=spec.k_scale, v_scale=spec.v_scale, impl=impl, kv_dtype=spec.kv_dtype)
             return out[None], pages
         return attend
 

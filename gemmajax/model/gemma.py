@@ -117,7 +117,7 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], Any], norm_dtype=f32,
         v = get(name)
         return jax.ShapeDtypeStruct(v.shape, norm_dtype) if isinstance(v, jax.ShapeDtypeStruct) else v
 
-    def proj(name):
+    def proj(name):  # projections and vocabulary tables: the quantizer decides by name
         v = get(name)
         return quantize(name, v) if quantize is not None else v
 
@@ -150,8 +150,8 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], Any], norm_dtype=f32,
             ple_post_norm=norm(p + "post_per_layer_input_norm.weight") if cfg.ple_dim else None,
             layer_scalar=get(p + "layer_scalar") if cfg.use_layer_scalar else None))
     return Weights(
-        embed=get("embed_tokens.weight"), final_norm=norm("norm.weight"), layers=tuple(layers),
-        ple_table=get("embed_tokens_per_layer.weight") if cfg.ple_dim else None,
+        embed=proj("embed_tokens.weight"), final_norm=norm("norm.weight"), layers=tuple(layers),
+        ple_table=proj("embed_tokens_per_layer.weight") if cfg.ple_dim else None,
         ple_model_proj=proj("per_layer_model_projection.weight") if cfg.ple_dim else None,
         ple_proj_norm=norm("per_layer_projection_norm.weight") if cfg.ple_dim else None)
 

@@ -214,7 +214,7 @@ def load_model(ckpt: str | os.PathLike | None = None, dtype="float32", quant: st
         from gemmajax.model.gguf import default_model_path
         ckpt = default_model_path()
     if quant not in (None, "none"):
-        from gemmajax.quant.quantize import make_quantizer  # per-weight quantization at load time
+        from gemmajax.quant.loading import make_quantizer  # per-weight quantization at load time
         qfn = make_quantizer(quant)
     else:
         qfn = None
@@ -226,4 +226,7 @@ def load_model(ckpt: str | os.PathLike | None = None, dtype="float32", quant: st
     prefix = plan_tensors(c.config, c.names, c.shape_of)
     w = build_from_getter(c.config, c.read, prefix, dtype, quantize=qfn, progress=progress,
                           total_bytes=c.total_bytes)
+    if qfn is not None:
+        from gemmajax.quant.loading import print_report
+        print_report(qfn)
     return Model(c.config, w, dtype, path=os.fspath(ckpt), quant=quant or "none")

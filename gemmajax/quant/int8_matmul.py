@@ -72,12 +72,19 @@ def _finish(y: jax.Array, x: jax.Array, w: QuantArray) -> jax.Array:
 
 
 # --- reference ------------------------------------------------------------------------------------------------------
+def _pad_in(x: jax.Array, w: QuantArray) -> jax.Array:
+    """Zero columns up to the weight's padded width (a +emb8 table pads D to 128; its padding holds zero levels)."""
+    extra = w.padded_in - x.shape[-1]
+    return x if extra <= 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
 def int8_matmul_ref(x: jax.Array, w: QuantArray) -> jax.Array:
     """w8a8 reference in jnp. x [..., in] float, w int8 QuantArray [out, in] -> [..., out] in x.dtype.
 
     y = (int32 sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n].
     """
     _check(x, w)
+    x = _pad_in(x, w)
     xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
     acc = lax.dot_general(xq, w.values, _NT, preferred_element_type=jnp.int32)
     return _finish(acc.astype(jnp.float32) * xs * w.scale.astype(jnp.float32)[None, :], x, w)
@@ -132,6 +139,7 @@ def int8_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     blocks: optional (tm, tn, tk) override (tm must be a multiple of 32, tn of 128, tk of 128 or the full size).
     """
     _check(x, w)
+    x = _pad_in(x, w)
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w.padded_out
@@ -180,6 +188,7 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     int32 dot_general) | "auto" ("vector" for one row, else "int"). Same integers as the reference; "vector"
     accumulates them in float32 (exact while |sum| < 2**24)."""
     _check(x, w)
+    x = _pad_in(x, w)
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_activations(x2)
     if form == "auto":

@@ -1,0 +1,51 @@
+"""Quantization at load time: which tensors a scheme quantizes, and how.
+
+Projections (attention, MLP, PLE gate / projection / model projection, MoE experts) get the scheme's linear kind;
+the vocabulary tables (embeddings, PLE table; the tied LM head reads the embedding table) get `+embN`; norms,
+routers and scalars stay as they are. `qat-w4a16` repacks each tensor exactly or keeps it, and reports which.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Callable
+
+from gemmajax.quant.qat import RepackReport, repack_qat
+from gemmajax.quant.quantize import parse_quant, quantize, quantize_table
+
+PROJECTION = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|per_layer_input_gate|"
+                        r"per_layer_projection|per_layer_model_projection)\.weight$|experts\.(gate_up_proj|down_proj)$")
+TABLES = ("embed_tokens.weight", "embed_tokens_per_layer.weight")
+
+
+class Quantizer:
+    """Callable `(hf_name, array) -> array | QuantArray` for `gemma.build_weights`."""
+
+    def __init__(self, quant: str):
+        self.scheme = parse_quant(quant)
+        self.report = RepackReport() if self.scheme.qat else None
+
+    def __call__(self, name: str, w):
+        s = self.scheme
+        if name in TABLES:
+            return quantize_table(w, s.table_bits) if s.table_bits else w
+        if s.linear is None or not PROJECTION.search(name):
+            return w
+        if s.qat:
+            q = repack_qat(w, report=self.report, name=name)
+            return w if q is None else q
+        return quantize(w, s.linear)
+
+    def summary(self) -> str:
+        return self.report.summary() if self.report is not None else ""
+
+
+def make_quantizer(quant: str) -> Callable | None:
+    if parse_quant(quant).name == "none":
+        return None
+    return Quantizer(quant)
+
+
+def print_report(q) -> None:
+    if isinstance(q, Quantizer) and q.report is not None:
+        print(q.summary(), file=sys.stderr)
