@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export JAX_PLATFORMS ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-slow test-all serve bench lint clean
+.PHONY: setup test test-slow test-all serve bench tpu-table lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/compare_cpu.py
+
+# The TPU fit table (every published size x quant mode x chip, deviceless compiles through libtpu; minutes).
+tpu-table: $(STAMP)
+	$(BIN)/python bench/fit_table.py --out docs/fit_table.md
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check gemmajax tests bench || true

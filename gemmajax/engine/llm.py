@@ -44,6 +44,7 @@ class LLM:
                  attn_impl: str = "auto", seed: int = 0, tokenizer=None):
         from gemmajax.model.loader import load_model
         from gemmajax.tools.tokenizer import load_tokenizer
+        _enable_compilation_cache()
         if ckpt is None:
             from gemmajax.model.gguf import default_model_path
             ckpt = default_model_path()
@@ -160,3 +161,19 @@ def _default_kv_memory() -> int:
     except Exception:  # noqa: BLE001 — some backends have no memory_stats
         pass
     return 2 << 30
+
+
+def _enable_compilation_cache() -> None:
+    """Persistent XLA compilation cache ($GEMMAJAX_CACHE/jax, default ~/.cache/gemmajax/jax): a restarted server
+    or a second `gemmajax generate` skips recompiling the step programs."""
+    import os
+    import jax
+    if jax.config.jax_compilation_cache_dir:
+        return
+    d = os.path.join(os.path.expanduser(os.environ.get("GEMMAJAX_CACHE", "~/.cache/gemmajax")), "jax")
+    try:
+        os.makedirs(d, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", d)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except Exception:  # noqa: BLE001 — a read-only home only loses the cache
+        pass

@@ -7,6 +7,7 @@ Stop strings are checked here, on the detokenized text, so a request stops (and 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
 from gemmajax.engine.sequence import Sequence
 from gemmajax.model import gemma
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,11 +101,26 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         self.runner = ModelRunner(weights, self.spec)
+        logger.info(self.kv_summary())
         self.t_buckets = config.token_buckets or pow2_buckets(16, config.max_num_batched_tokens)
         self.s_buckets = config.seq_buckets or pow2_buckets(1, config.max_num_seqs)
         self._reqs: dict[str, _ReqState] = {}
         self._seed_counter = itertools.count(config.seed * 1000003)
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+
+    def kv_summary(self) -> str:
+        """KV bytes per token and per sequence, and pages per group (sliding layers windowed, shared layers free)."""
+        cfg, spec = self.model_config, self.spec
+        item = spec.layouts()[0].bytes_per_page() / (spec.page_size * 2 * cfg.layers[cfg.kv_layers[0]].num_kv_heads
+                                                      * cfg.layers[cfg.kv_layers[0]].head_dim)
+        L = self.max_model_len
+        ours = cfg.kv_bytes_per_token(item, windowed=True, context=L)
+        flat = sum(2 * s.num_kv_heads * s.head_dim * item for s in cfg.layers)  # every layer, full context
+        pages = ", ".join(f"{g}: {n - 1} pages of {b / 1024:.0f} KiB" for g, n, b in
+                          zip(spec.groups, spec.num_pages, spec.page_bytes()))
+        return (f"KV cache {spec.cache_bytes() / 2**20:.1f} MiB ({spec.kv_dtype}; {pages}); "
+                f"{ours / 1024:.1f} KiB/token at {L} tokens ({ours * L / 2**20:.1f} MiB per full-length sequence) vs "
+                f"{flat / 1024:.1f} KiB/token with every layer caching the full context")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -187,6 +205,8 @@ class LLMEngine:
             self.stats_counters["generation_tokens"] += 1
             if st.constraint is not None and not st.constraint.is_done():
                 st.constraint.advance(tok)
+                if st.constraint.is_done() and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")   # the grammar admits nothing more
             if seq.seq_id in lp_rows:
                 st.logprobs.append(lp_rows[seq.seq_id])
             outputs.append(self._emit(st))

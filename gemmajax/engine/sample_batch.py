@@ -66,7 +66,7 @@ class SamplerBatch:
         if any(c is not None for c in constraints):
             allowed = np.ones((num_rows, vocab_size), bool)
             for c, r in zip(constraints, rows):
-                if c is not None and not c.is_done():
+                if c is not None:  # once the grammar is done its mask allows only end tokens
                     m = np.asarray(c.allowed_mask(vocab_size), bool)
                     allowed[r, :] = False
                     allowed[r, :m.shape[0]] = m[:vocab_size]

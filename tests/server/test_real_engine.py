@@ -15,11 +15,13 @@ from tests.server.conftest import running_server
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                    "days": {"type": "integer"},
                                                     "unit": {"type": "string", "enum": ["c", "f"]}},
                    "required": ["city", "unit"]}}}]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "string"}}},
+SCHEMA = {"type": "object", "properties": {  # bounded, so that even a noise model must finish the object
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
@@ -66,11 +68,12 @@ def _valid(obj, schema):
     for k, v in obj.items():
         t = schema["properties"][k]
         if t["type"] == "string":
-            assert isinstance(v, str)
+            assert isinstance(v, str) and len(v) <= t.get("maxLength", len(v))
             if "enum" in t:
                 assert v in t["enum"]
         elif t["type"] == "integer":
             assert isinstance(v, int) and not isinstance(v, bool)
+            assert t.get("minimum", v) <= v <= t.get("maximum", v)
         elif t["type"] == "array":
             assert isinstance(v, list) and all(isinstance(x, str) for x in v)
 
@@ -108,9 +111,10 @@ def test_tool_choice_required_gives_a_valid_call_even_from_noise(oai):
     for seed in (1, 2):
         r = oai.chat.completions.create(
             model="tiny-gemma4", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
-            tool_choice="required", max_tokens=200, temperature=0.8, seed=seed)
+            tool_choice="required", max_tokens=200, temperature=0.8, seed=seed, parallel_tool_calls=False)
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls", ch
+        assert len(ch.message.tool_calls) == 1
         call = ch.message.tool_calls[0]
         assert call.function.name == "get_weather"
         _valid(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
@@ -125,7 +129,7 @@ def test_json_schema_enforced_with_thinking_off_and_on(oai):
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
     for seed in (2, 3):
         r = oai.chat.completions.create(
-            model="tiny-gemma4", messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=200,
+            model="tiny-gemma4", messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=500,
             temperature=0.7, seed=seed, response_format=fmt)
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "stop", msg
@@ -146,3 +150,57 @@ def test_bad_requests_do_not_hurt_the_server(server, oai):
                                     temperature=-1)
     r = oai.chat.completions.create(model="tiny-gemma4", messages=[{"role": "user", "content": "ok"}], max_tokens=2)
     assert r.usage.completion_tokens == 2
+
+
+def test_named_tool_choice(oai):
+    r = oai.chat.completions.create(
+        model="tiny-gemma4", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS + [
+            {"type": "function", "function": {"name": "get_time", "parameters": {
+                "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+                "required": ["tz"]}}}],
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100, temperature=0.9, seed=4)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls[0].function.name == "get_time"
+    assert json.loads(ch.message.tool_calls[0].function.arguments)["tz"] in ("UTC", "CET")
+
+
+def test_sixteen_concurrent_streams_and_a_disconnect(server, oai):
+    import threading
+    import time
+
+    import httpx
+    url, llm, client = server
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            chunks = list(oai.chat.completions.create(
+                model="tiny-gemma4", messages=[{"role": "user", "content": f"Story number {i}"}], max_tokens=12,
+                temperature=0.5, seed=i, stream=True))
+            results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    # a client that goes away mid-stream
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny-gemma4", "messages": [{"role": "user", "content": "long"}], "max_tokens": 400,
+            "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(results) == 16
+    eng = llm.engine
+    deadline = time.time() + 30
+    while time.time() < deadline and (eng.scheduler.has_unfinished() or eng._reqs):
+        time.sleep(0.1)
+    assert not eng.scheduler.has_unfinished()
+    bm = eng.block_manager
+    assert all(bm.num_free_pages(g.name) == g.num_pages - 1 for g in bm.groups)
+    r = oai.chat.completions.create(model="tiny-gemma4", messages=[{"role": "user", "content": "still here?"}],
+                                    max_tokens=3)
+    assert r.usage.completion_tokens == 3
