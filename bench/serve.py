@@ -1,0 +1,104 @@
+"""Concurrency sweep against a live gemmajax server: output tok/s, time to first token, time per output token.
+
+    python bench/serve.py                       # starts `gemmajax serve` on the default model (Gemma 3 270M)
+    python bench/serve.py --url http://127.0.0.1:8000 --levels 1 4 16 64
+
+Each level sends `level` streaming chat requests at once (greedy, ignore_eos so every request makes exactly
+--max-tokens tokens) and waits for all of them; the figures are per level. The first level is run twice and the
+first pass discarded, so compile time does not count.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one(client, model: str, i: int, max_tokens: int) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Tell me a story about the number {i}."}],
+        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - t0
+        if chunk.usage:
+            n = chunk.usage.completion_tokens
+    total = time.perf_counter() - t0
+    return first or total, total, n
+
+
+async def level(client, model: str, c: int, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[one(client, model, i, max_tokens) for i in range(c)])
+    wall = time.perf_counter() - t0
+    toks = sum(r[2] for r in res)
+    ttft = [r[0] for r in res]
+    tpot = [(r[1] - r[0]) / max(r[2] - 1, 1) for r in res]
+    return {"streams": c, "out_tok_s": toks / wall, "ttft_p50": statistics.median(ttft), "ttft_max": max(ttft),
+            "tpot_p50_ms": 1000 * statistics.median(tpot), "wall_s": wall}
+
+
+async def main_async(args) -> None:
+    import openai
+    client = openai.AsyncOpenAI(base_url=args.url + "/v1", api_key=args.api_key or "x", timeout=3600, max_retries=0)
+    model = (await client.models.list()).data[0].id
+    await level(client, model, args.levels[0], args.max_tokens)  # warm-up: compiles
+    print(f"model {model}, {args.max_tokens} output tokens per request, greedy")
+    print(f"{'streams':>7} {'out tok/s':>10} {'TTFT p50 s':>11} {'TTFT max s':>11} {'TPOT p50 ms':>12}")
+    for c in args.levels:
+        r = await level(client, model, c, args.max_tokens)
+        print(f"{r['streams']:>7} {r['out_tok_s']:>10.1f} {r['ttft_p50']:>11.2f} {r['ttft_max']:>11.2f} "
+              f"{r['tpot_p50_ms']:>12.1f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running server; default: start one here")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--serve-args", default="", help="extra flags for the server this script starts")
+    args = ap.parse_args()
+    proc = None
+    if args.url is None:
+        port = free_port()
+        args.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "gemmajax.server.cli", "serve", "--port", str(port),
+               "--max-num-seqs", str(max(args.levels)), *args.serve_args.split()]
+        proc = subprocess.Popen(cmd, env=dict(os.environ))
+        import httpx
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(args.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline or proc.poll() is not None:
+                raise SystemExit("the server did not come up")
+            time.sleep(1)
+    try:
+        asyncio.run(main_async(args))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
