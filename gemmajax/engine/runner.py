@@ -190,6 +190,15 @@ def build_step_inputs(spec: RunnerSpec, entries: list[tuple[list[int], int, int,
     return StepInputs(token_ids=tok, positions=pos, logits_indices=last, metas=metas, shared_metas=shared)
 
 
+@functools.lru_cache(maxsize=16)
+def compiled_step(spec: RunnerSpec):
+    """The jitted step for a runner spec, shared by every runner (engine) with the same spec, so a second engine
+    over the same model reuses the compiled programs."""
+    def step(weights, kv, inp):
+        return model_step(weights, spec, kv, inp)
+    return jax.jit(step, donate_argnums=(1,))
+
+
 class ModelRunner:
     """Owns the device caches and the compiled step functions for one model."""
 
@@ -199,13 +208,9 @@ class ModelRunner:
         self.kv = alloc_caches(spec)
         self._sample_fn = sample_fn
 
-    @functools.cached_property
+    @property
     def _step(self):
-        spec = self.spec
-
-        def step(weights, kv, inp):
-            return model_step(weights, spec, kv, inp)
-        return jax.jit(step, donate_argnums=(1,))
+        return compiled_step(self.spec)
 
     def forward(self, inp: StepInputs) -> jax.Array:
         """Run one step; updates the caches in place (donated). Returns logits [S_pad, V] float32 (on device)."""
