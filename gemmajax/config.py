@@ -216,6 +216,13 @@ def _positive(cfg: dict, key: str) -> int:
     return v
 
 
+def _core_fields(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
+    """(layers, hidden, heads, KV heads, MLP width, vocab, head dim): required and positive in every dialect."""
+    L, D, N, K, F, V = (_positive(cfg, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                    "num_key_value_heads", "intermediate_size", "vocab_size"))
+    return L, D, N, K, F, V, cfg.get("head_dim") or D // N
+
+
 def _layer_kinds(cfg: dict, num_layers: int, default_period: int) -> list[str]:
     lt = cfg.get("layer_types")
     if lt is None:
@@ -254,13 +261,7 @@ def _rope(params: dict | None, kind: str, head_dim: int, field_name: str) -> tup
 
 
 def _from_gemma4(cfg: dict, name: str) -> ModelConfig:
-    L = _positive(cfg, "num_hidden_layers")
-    D = _positive(cfg, "hidden_size")
-    N = _positive(cfg, "num_attention_heads")
-    K = _positive(cfg, "num_key_value_heads")
-    F = _positive(cfg, "intermediate_size")
-    V = _positive(cfg, "vocab_size")
-    hd = cfg.get("head_dim") or D // N
+    L, D, N, K, F, V, hd = _core_fields(cfg)
     unified = cfg.get("model_type", "").startswith("gemma4_unified")
     if cfg.get("use_bidirectional_attention") == "all":
         raise ConfigError("config.json: use_bidirectional_attention='all' (a non-causal text model) is not supported")
@@ -337,13 +338,7 @@ def _from_gemma4(cfg: dict, name: str) -> ModelConfig:
 
 
 def _from_gemma3(cfg: dict, name: str) -> ModelConfig:
-    L = _positive(cfg, "num_hidden_layers")
-    D = _positive(cfg, "hidden_size")
-    N = _positive(cfg, "num_attention_heads")
-    K = _positive(cfg, "num_key_value_heads")
-    F = _positive(cfg, "intermediate_size")
-    V = _positive(cfg, "vocab_size")
-    hd = cfg.get("head_dim") or D // N
+    L, D, N, K, F, V, hd = _core_fields(cfg)
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("config.json: use_bidirectional_attention=true (EmbeddingGemma) is not supported")
     kinds = _layer_kinds(cfg, L, 6)
