@@ -158,10 +158,8 @@ def open_checkpoint(ckpt: str | os.PathLike) -> Checkpoint:
         return Checkpoint(ModelConfig.from_hf(hf, name=os.path.basename(ckpt.rstrip("/"))), hf, [], None, None, 0,
                           ckpt, "gemmajax")
     if hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config"):
-        raise CheckpointError(
-            f"checkpoint {ckpt!r}: quantization_config "
-            f"{(hf.get('quantization_config') or {}).get('format', '?')!r} — compressed-tensors checkpoints "
-            "load through gemmajax.quant (not available in this build)")
+        from gemmajax.model.compressed_tensors import open_compressed  # served in its own scheme
+        return open_compressed(ckpt, hf)
     cfg = ModelConfig.from_hf(hf, name=os.path.basename(ckpt.rstrip("/")))
     infos = index_checkpoint(ckpt)
     return Checkpoint(cfg, hf, list(infos), lambda n: infos[n].shape, lambda n: load_tensor(infos[n]),
@@ -172,6 +170,9 @@ def load_weights(ckpt: str | os.PathLike, dtype="bfloat16", quantize: Callable |
                  progress: bool | None = None) -> tuple[ModelConfig, gemma.Weights, Checkpoint]:
     c = open_checkpoint(ckpt)
     prefix = plan_tensors(c.config, c.names, c.shape_of)
+    if c.kind == "compressed-tensors":
+        from gemmajax.model.compressed_tensors import build_compressed
+        return c.config, build_compressed(c, prefix, dtype, quantize=quantize, progress=progress), c
     w = build_from_getter(c.config, c.read, prefix, dtype, quantize=quantize, progress=progress,
                           total_bytes=c.total_bytes)
     return c.config, w, c
@@ -221,11 +222,16 @@ def load_model(ckpt: str | os.PathLike | None = None, dtype="float32", quant: st
     c = open_checkpoint(ckpt)
     if c.kind == "gemmajax":
         from gemmajax.model.orbax_io import load_converted
-        cfg, w, meta = load_converted(c.path)
+        cfg, w, meta = load_converted(c.path, expect_quant=quant)
         return Model(cfg, w, meta.get("dtype", dtype), path=c.path, quant=meta.get("quant", "none"))
     prefix = plan_tensors(c.config, c.names, c.shape_of)
-    w = build_from_getter(c.config, c.read, prefix, dtype, quantize=qfn, progress=progress,
-                          total_bytes=c.total_bytes)
+    if c.kind == "compressed-tensors":  # QuantArrays as stored; `quant` applies to the unquantized tensors only
+        from gemmajax.model.compressed_tensors import build_compressed, quant_name
+        w = build_compressed(c, prefix, dtype, quantize=qfn, progress=progress)
+        quant = quant_name(c, quant)
+    else:
+        w = build_from_getter(c.config, c.read, prefix, dtype, quantize=qfn, progress=progress,
+                              total_bytes=c.total_bytes)
     if qfn is not None:
         from gemmajax.quant.loading import print_report
         print_report(qfn)
