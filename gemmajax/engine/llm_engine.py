@@ -21,7 +21,7 @@ from gemmajax.config import ModelConfig
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
     pow2_buckets
-from gemmajax.engine.sample_batch import SamplerBatch, sample_step
+from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step, skip_rows
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
 from gemmajax.engine.sequence import Sequence
@@ -182,12 +182,19 @@ class LLMEngine:
         # an all-decode step is padded to its sequence bucket (one token each), a mixed one to a token bucket
         t_pad = s_pad if T == S else max(bucket(T, self.t_buckets), s_pad)
         inp = build_step_inputs(self.spec, entries, t_pad, s_pad)
-        logits = self.runner.forward(inp)
         rows = [i for i, s in enumerate(sched.scheduled) if s.samples]
+        seqs = [sched.scheduled[i].seq for i in rows]
         sampled: dict[int, int | None] = {}
         lp_rows: dict[int, dict] = {}
-        if rows:
-            toks, lps = self._sample(logits, [sched.scheduled[i].seq for i in rows], rows)
+        if plain_greedy(seqs, [self._reqs[s.request_id].constraint for s in seqs], self.eos_token_ids):
+            # argmax inside the step: no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
+            toks_all = np.asarray(self.runner.forward_greedy(inp))
+            skip_rows(s_pad)
+            for r in rows:
+                sampled[sched.scheduled[r].seq.seq_id] = int(toks_all[r])
+        else:
+            logits = self.runner.forward(inp)
+            toks, lps = self._sample(logits, seqs, rows)
             for i, r in enumerate(rows):
                 seq = sched.scheduled[r].seq
                 sampled[seq.seq_id] = int(toks[i])

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemmajax.config import FULL, SLIDING, ModelConfig
+from gemmajax.engine.sampler import _argmax as greedy_argmax  # the sampler's own greedy rule: same tokens
 from gemmajax.kv.attention import RaggedMeta, ragged_paged_attention
 from gemmajax.kv.layout import KVLayout, kv_dtype as resolve_kv_dtype
 from gemmajax.model import gemma
@@ -117,6 +118,22 @@ def abstract_caches(spec: RunnerSpec, sharding=None) -> tuple:
 def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
     """Run the scheduled tokens through the model. Returns (logits [S, V] float32 of each sequence's last
     token, updated kv)."""
+    h, kv = model_hidden(weights, spec, kv, inp)
+    return gemma.lm_head(weights, spec.cfg, h).astype(f32), kv
+
+
+def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs
+                      ) -> tuple[jax.Array, tuple]:
+    """`model_step` followed by the sampler's greedy rule (first index of the row maximum), inside the same
+    program: returns (tokens int32 [S], updated kv). The [S, V] logits never leave the step, and no float32
+    copy, log-sum-exp or second dispatch is paid for an all-greedy batch."""
+    h, kv = model_hidden(weights, spec, kv, inp)
+    logits = gemma.lm_head(weights, spec.cfg, h)                     # [S, V] activation dtype
+    return greedy_argmax(logits.astype(f32)), kv
+
+
+def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
+    """The decoder part of `model_step`: (final-normed hidden [S, D] of each sequence's last token, kv)."""
     cfg = spec.cfg
     impl = spec.attn_impl
 
@@ -139,7 +156,7 @@ def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInp
     h, kv = gemma.decoder(weights, cfg, inp.token_ids[None], inp.positions[None], make_attend(inp.metas), kv,
                           shared_band=shared_band if has_shared else None)
     h = h[0] if has_shared else h[0, inp.logits_indices]      # [S, D]
-    return gemma.lm_head(weights, cfg, h).astype(f32), kv
+    return h, kv
 
 
 # ---------------------------------------------------------------------------- host-side batch building
@@ -191,11 +208,13 @@ def build_step_inputs(spec: RunnerSpec, entries: list[tuple[list[int], int, int,
 
 
 @functools.lru_cache(maxsize=16)
-def compiled_step(spec: RunnerSpec):
+def compiled_step(spec: RunnerSpec, greedy: bool = False):
     """The jitted step for a runner spec, shared by every runner (engine) with the same spec, so a second engine
-    over the same model reuses the compiled programs."""
+    over the same model reuses the compiled programs. greedy: `model_step_greedy` (tokens) instead of logits."""
+    fn = model_step_greedy if greedy else model_step
+
     def step(weights, kv, inp):
-        return model_step(weights, spec, kv, inp)
+        return fn(weights, spec, kv, inp)
     return jax.jit(step, donate_argnums=(1,))
 
 
@@ -216,3 +235,8 @@ class ModelRunner:
         """Run one step; updates the caches in place (donated). Returns logits [S_pad, V] float32 (on device)."""
         logits, self.kv = self._step(self.weights, self.kv, inp)
         return logits
+
+    def forward_greedy(self, inp: StepInputs) -> jax.Array:
+        """Run one step and pick every row's greedy token on device. Returns tokens int32 [S_pad] (on device)."""
+        tokens, self.kv = compiled_step(self.spec, True)(self.weights, self.kv, inp)
+        return tokens

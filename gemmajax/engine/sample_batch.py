@@ -82,6 +82,20 @@ class SamplerBatch:
         return cls(arrays, base, data, prompt_ids, output_ids, allowed, banned, nlp, list(rows), want)
 
 
+def plain_greedy(seqs: list[Sequence], constraints: list, eos_token_ids: tuple[int, ...] = ()) -> bool:
+    """True when every row's token is the plain argmax of its logits: temperature 0, no logprobs, no penalties, no
+    grammar, no banned ids. Such a batch can skip the sampler (`ModelRunner.forward_greedy` picks the same
+    tokens inside the model step)."""
+    return all(s.params.temperature <= 0.0 and s.params.logprobs is None and not s.params.uses_penalties
+               and c is None and not s.banned_token_ids(eos_token_ids) for s, c in zip(seqs, constraints))
+
+
+def skip_rows(num_rows: int) -> None:
+    """Advance the unseeded-key counter as `SamplerBatch.build` would have for a step sampled without it, so the
+    random draws of later steps do not depend on which path earlier steps took."""
+    SamplerBatch._counter += num_rows
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def _sample(logits, arrays, key_base, key_data, prompt_ids, output_ids, allowed, banned, num_logprobs):
     V = logits.shape[-1]

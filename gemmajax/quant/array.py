@@ -8,6 +8,8 @@ and no lane interleave on any backend; (3) an int4 weight *is* the bf16 number b
 
 Physical layouts (logical weight [..., out, in]):
   int8: values int8 [..., out_p, in]; scale float32 [..., out_p] = max|w_row| / 127; levels -127..127.
+        act_group (static) says how the w8a8 matmul quantizes the activations it meets: 0 one int8 scale per
+        token, G one per token per G input columns (G divides in_p, a multiple of 32; see int8_matmul.py).
   int4: values uint8 [..., out_p, in_p // 2]; byte j = (q[j] + 8) | (q[j + in_p // 2] + 8) << 4 (biased nibbles,
         levels -8..7); scale bfloat16 or float32 [..., out_p, in_p // group], one per group along `in`.
   out_p = out, except out > 4096 and not a multiple of 128: then padded to 128 (the TPU kernels use a full-width
@@ -34,8 +36,9 @@ _FULL_BLOCK_OUT = 4096  # out sizes up to this need no padding: the kernels take
 class QuantArray:
     """A quantized weight (see the module docstring for the layouts).
 
-    values / scale are the pytree children; kind, shape (logical), group and dtype (the dtype the weight had, and
-    the default of `dequantize`) are static metadata.
+    values / scale are the pytree children; kind, shape (logical), group, dtype (the dtype the weight had, and
+    the default of `dequantize`) and act_group (int8: activation scales per token per act_group input columns,
+    0 = one per token) are static metadata.
     """
 
     values: Any  # int8 [..., out_p, in] | uint8 [..., out_p, in_p // 2]
@@ -44,6 +47,7 @@ class QuantArray:
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # logical [..., out, in]
     group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group along `in`; 0 for int8
     dtype: Any = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+    act_group: int = dataclasses.field(default=0, metadata={"static": True})  # int8 only; 0 = per token
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -52,6 +56,10 @@ class QuantArray:
             raise ValueError(f"QuantArray needs a logical shape [..., out, in], got {self.shape}")
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "act_group", int(self.act_group))
+        if self.act_group and (self.kind != "int8" or self.act_group < 0 or self.act_group % 32):
+            raise ValueError(f"QuantArray {self.kind} {self.shape}: act_group must be 0 or (int8 only) a positive "
+                             f"multiple of 32, got {self.act_group}")
         if not hasattr(self.values, "shape"):  # pytree machinery may rebuild us around placeholder leaves
             return
         vshape, sshape = tuple(self.values.shape), tuple(self.scale.shape)
@@ -65,6 +73,9 @@ class QuantArray:
             raise ValueError(f"QuantArray {self.kind} {self.shape} (group {self.group}): values shape {vshape} / "
                              f"scale shape {sshape} do not match the layout (values [..., >= out, >= in"
                              f"{' / 2' if self.kind == 'int4' else ''}], scale {exp_s})")
+        if self.act_group and in_p % self.act_group:
+            raise ValueError(f"QuantArray int8 {self.shape}: act_group {self.act_group} does not divide the "
+                             f"(padded) input width {in_p}")
 
     # --- shapes -------------------------------------------------------------------------------------------------
     @property
@@ -106,6 +117,7 @@ class QuantArray:
 
     def __repr__(self) -> str:
         g = f", group={self.group}" if self.kind == "int4" else ""
+        g += f", act_group={self.act_group}" if self.act_group else ""
         return (f"QuantArray({self.kind}, shape={self.shape}{g}, dtype={self.dtype.name}, "
                 f"values={getattr(self.values, 'dtype', '?')}{tuple(self.values.shape)}, "
                 f"scale={getattr(self.scale, 'dtype', '?')}{tuple(self.scale.shape)})")
@@ -113,14 +125,14 @@ class QuantArray:
     # --- constructors -------------------------------------------------------------------------------------------
     @classmethod
     def abstract(cls, shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, scale_dtype=None,
-                 sharding=None, pad_in_to: int | None = None) -> QuantArray:
+                 sharding=None, pad_in_to: int | None = None, act_group: int = 0) -> QuantArray:
         """The QuantArray of jax.ShapeDtypeStruct that `quantize(w, kind, ...)` would give for a weight of `shape`.
 
         For jax.eval_shape, deviceless TPU AOT compiles and loaders: no memory is touched. `sharding` (optional)
         is attached to both children.
         """
         return abstract_quant(shape, kind, group=group, dtype=dtype, scale_dtype=scale_dtype, sharding=sharding,
-                              pad_in_to=pad_in_to)
+                              pad_in_to=pad_in_to, act_group=act_group)
 
 
 jax.tree_util.register_dataclass(QuantArray)
@@ -148,8 +160,9 @@ def padded_in(inp: int, kind: str, group: int = 32, pad_in_to: int | None = None
 
 
 def abstract_quant(shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, scale_dtype=None, sharding=None,
-                   pad_in_to: int | None = None) -> QuantArray:
-    """Shapes-only QuantArray for a logical weight `shape` [..., out, in] (see QuantArray.abstract)."""
+                   pad_in_to: int | None = None, act_group: int = 0) -> QuantArray:
+    """Shapes-only QuantArray for a logical weight `shape` [..., out, in] (see QuantArray.abstract).
+    act_group: int8 only (0 = per-token activation scales)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     *lead, out, inp = (int(d) for d in shape)
@@ -161,7 +174,7 @@ def abstract_quant(shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, sca
     else:
         vals = jax.ShapeDtypeStruct((*lead, out_p, in_p // 2), jnp.uint8, sharding=sharding)
         sc = jax.ShapeDtypeStruct((*lead, out_p, in_p // group), scale_dtype or jnp.bfloat16, sharding=sharding)
-    return QuantArray(vals, sc, kind, (*lead, out, inp), group, jnp.dtype(dtype))
+    return QuantArray(vals, sc, kind, (*lead, out, inp), group, jnp.dtype(dtype), act_group)
 
 
 # --- int4 packing ---------------------------------------------------------------------------------------------------

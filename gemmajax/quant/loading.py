@@ -1,17 +1,18 @@
 """Quantization at load time: which tensors a scheme quantizes, and how.
 
-Projections (attention, MLP, PLE gate / projection / model projection, MoE experts) get the scheme's linear kind;
-the vocabulary tables (embeddings, PLE table; the tied LM head reads the embedding table) get `+embN`; norms,
-routers and scalars stay as they are. `qat-w4a16` repacks each tensor exactly or keeps it, and reports which.
+Projections (attention, MLP, PLE gate / projection / model projection, MoE experts) get the scheme's linear kind
+(w8a8: with activation scales per 128 input columns where 128 divides the width, `default_act_group`); the
+vocabulary tables (embeddings, PLE table; the tied LM head reads the embedding table) get `+embN`, per-token
+activations; norms, routers and scalars stay as they are. `qat-w4a16` repacks each tensor exactly or keeps it.
 """
 from __future__ import annotations
 
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from gemmajax.quant.qat import RepackReport, repack_qat
-from gemmajax.quant.quantize import parse_quant, quantize, quantize_table
+from gemmajax.quant.quantize import default_act_group, parse_quant, quantize, quantize_table
 
 PROJECTION = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|per_layer_input_gate|"
                         r"per_layer_projection|per_layer_model_projection)\.weight$|experts\.(gate_up_proj|down_proj)$")
@@ -34,6 +35,8 @@ class Quantizer:
         if s.qat:
             q = repack_qat(w, report=self.report, name=name)
             return w if q is None else q
+        if s.linear == "int8":
+            return quantize(w, "int8", act_group=default_act_group(w.shape[-1]))
         return quantize(w, s.linear)
 
     def summary(self) -> str:

@@ -12,14 +12,44 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gemmajax.quant.array import QuantArray
 from gemmajax.quant.int4_matmul import int4_matmul
-from gemmajax.quant.int8_matmul import int8_matmul
+from gemmajax.quant.int8_matmul import int8_matmul, materialize
 from gemmajax.quant.quantize import dequantize_rows
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 _MATMULS = {"int8": int8_matmul, "int4": int4_matmul}
+_NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
+
+
+def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The accelerators' plain-array form (TPU / GPU): y = x @ w.T in x.dtype. x: [..., in]; w: [out, in]."""
+    return jnp.dot(x, w.T.astype(x.dtype))
+
+
+def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Array:
+    """XLA:CPU forms for a plain [out, in] weight, same result as `dense_matmul` (f32 accumulation, one rounding).
+
+    x: [..., in]; w: [out, in]. Returns [..., out] in x.dtype. form:
+      "vector" `dot(materialize(x.astype(f32)), w.astype(f32).T)`: XLA:CPU's one-row loop fusion (convert,
+               transpose, dot split over the cores), reading a bf16 weight once at memory speed;
+      "gemm"   `dot_general(x, w, contract in, preferred f32)` in the weight's own dtype: a YNNPACK GEMM that
+               takes bf16 operands natively (no float32 copy of the weight);
+      "auto"   "vector" for one row, else "gemm" (bench/kernels.py). `jnp.dot(x_bf16, w.T)` in a whole model
+               compiles to a float32 copy of every weight per call (10-40x slower at one row).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if form == "auto":
+        form = "vector" if x2.shape[0] == 1 else "gemm"
+    if form == "vector":
+        y = jnp.dot(materialize(x2.astype(jnp.float32)), w.astype(jnp.float32).T)
+    elif form == "gemm":
+        y = lax.dot_general(x2, w.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+    else:
+        raise ValueError(f"dense_matmul_cpu: form must be 'auto', 'vector' or 'gemm', got {form!r}")
+    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.Array:
@@ -29,8 +59,8 @@ def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.A
     and multiplies each leading slice by its own matrix. impl: "auto" | "xla" | "pallas" | "pallas_interpret"
     (ignored for plain arrays).
     """
-    if not isinstance(w, QuantArray):
-        return jnp.dot(x, w.T.astype(x.dtype))
+    if not isinstance(w, QuantArray):  # decided at lowering time: deviceless TPU AOT keeps the plain dot
+        return lax.platform_dependent(x, w, cpu=dense_matmul_cpu, default=dense_matmul)
     if impl not in IMPLS:
         raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
     lead = w.shape[:-2]

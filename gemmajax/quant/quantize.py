@@ -31,8 +31,18 @@ def _pad_to(w: jax.Array, out_p: int, in_p: int) -> jax.Array:
     return jnp.pad(w, pads) if any(p[1] for p in pads) else w
 
 
-def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_in_to: int | None = None
-             ) -> QuantArray:
+W8A8_ACT_GROUP = 128  # activation scales per token per 128 input columns (int8_matmul.py: accuracy and cost)
+
+
+def default_act_group(in_features: int) -> int:
+    """The activation group a w8a8 projection with `in_features` inputs gets: W8A8_ACT_GROUP (128) when it divides
+    the width, else 0 (one scale per token; e.g. Gemma 4 26B-A4B's dense down_proj, in 2112). Measured on Gemma 3
+    270M (111 tokens teacher-forced vs float32): per token KL 0.041 / top-1 92.8 %; G = 128 KL 0.011 / 95.5 %."""
+    return W8A8_ACT_GROUP if in_features % W8A8_ACT_GROUP == 0 else 0
+
+
+def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_in_to: int | None = None,
+             act_group: int = 0) -> QuantArray:
     """Round-to-nearest symmetric quantization of a weight w [..., out, in] (Hugging Face layout).
 
     int8: scale = max|w_row| / 127 per output row (float32 unless scale_dtype says otherwise; the levels are
@@ -40,6 +50,8 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
     int4: scale = max|w_group| / 7 per group of `group` columns (bfloat16 by default), levels -7..7 (the packer
     and kernels accept -8, which QAT grids use; round-to-nearest never needs it).
     pad_in_to: pad `in` to a multiple of this (tables: 128 int8 / 256 int4, i.e. 128-byte rows).
+    act_group: int8 only, static: the w8a8 matmul quantizes activations per token per act_group input columns
+    (a multiple of 32 dividing the padded `in`; 0 = one scale per token). The weight itself is the same.
     Returns a QuantArray with dequantize(q) ~= w.
     """
     if kind not in KINDS:
@@ -49,6 +61,8 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
         raise ValueError(f"quantize: weight must be [..., out, in], got shape {w.shape}")
     if kind == "int4" and (group <= 0 or group % 8):
         raise ValueError(f"quantize: int4 group must be a positive multiple of 8, got {group}")
+    if act_group and kind != "int8":
+        raise ValueError(f"quantize: act_group applies to int8 (w8a8) only, got act_group={act_group} for {kind}")
     shape, dtype = tuple(w.shape), w.dtype
     in_p = padded_in(shape[-1], kind, group, pad_in_to)
     wf = _pad_to(w.astype(jnp.float32), padded_out(shape[-2]), in_p)
@@ -56,7 +70,7 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
         s = (jnp.max(jnp.abs(wf), axis=-1) / INT8_MAX).astype(scale_dtype or jnp.float32)
         sf = s.astype(jnp.float32)[..., None]
         q = jnp.clip(jnp.round(wf / jnp.where(sf == 0, 1, sf)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-        return QuantArray(q, s, "int8", shape, 0, dtype)
+        return QuantArray(q, s, "int8", shape, 0, dtype, act_group)
     g = wf.reshape(*wf.shape[:-1], in_p // group, group)
     s = (jnp.max(jnp.abs(g), axis=-1) / INT4_MAX).astype(scale_dtype or jnp.bfloat16)
     sf = s.astype(jnp.float32)[..., None]

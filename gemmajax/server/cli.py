@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
     p.add_argument("--max-model-len", type=_positive, default=8192)
     p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="prefill chunk of one step")
+    p.add_argument("--page-size", type=_positive, default=32)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=_delegate("gemmajax.aot", "run"))
     return parser
 

@@ -1,13 +1,17 @@
 """w8a8: Pallas kernel (TPU interpret mode, pltpu.InterpretParams: uninitialized VMEM reads as NaN) against the jnp
-reference, the XLA forms against the reference, and the quantization error against a float matmul."""
+reference, the XLA forms against the reference, and the quantization error against a float matmul; the same with
+activation groups (act_group), compared within a derived float32 summation-order bound."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from gemmajax.quant import int8_matmul, int8_matmul_ref, quantize
+from gemmajax.quant import QuantArray, abstract_quant, int8_matmul, int8_matmul_ref, quantize
 from gemmajax.quant.int8_matmul import int8_matmul_pallas, int8_matmul_xla, quantize_activations
+from gemmajax.quant.quantize import default_act_group
 
 INTERPRET = pltpu.InterpretParams()
 
@@ -100,3 +104,166 @@ def test_activation_quantization():
     xq, xs = quantize_activations(x)
     assert np.array_equal(np.asarray(xs[:, 0]), np.float32([0.0, 2.0 / 127, 1.0]))
     assert np.array_equal(np.asarray(xq), np.int8([[0, 0, 0], [64, -127, 32], [-127, 64, 1]]))  # 63.5 -> 64 (even)
+
+
+# --- activation groups (w.act_group = G: one activation scale per token per G input columns) ------------------------
+def _grouped(m, k, n, g, seed=0, xdtype=jnp.float32, outliers=False):
+    x, w, q = _data(m, k, n, seed, xdtype)
+    if outliers:  # two large channels (both within the first 128 columns), as Gemma's activations have
+        x = x.at[:, 3].multiply(60.0).at[:, 70].multiply(-40.0)
+    return x, w, dataclasses.replace(q, act_group=g)
+
+
+def _order_bound(x, q, roundings):
+    """What two summation orders of the same scaled products may differ by in float32: roundings * 2**-24 * S with
+    S[m, n] = w_scale[n] * sum_k |xq[m, k]| x_scale[m, g(k)] |wq[n, k]| (float64), which bounds every partial sum
+    (Higham's gamma_n with n = roundings)."""
+    xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]), q.act_group)
+    g = q.act_group or x.shape[-1]
+    xd = np.abs(np.asarray(xq, np.float64)) * np.repeat(np.asarray(xs, np.float64), g, axis=1)
+    s = xd @ np.abs(np.asarray(q.values, np.float64)).T * np.asarray(q.scale, np.float64)[None, :]
+    return roundings * 2.0**-24 * s[:, : q.out_features]
+
+
+def _assert_close(out, ref, bound):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all() and out.shape == ref.shape
+    err = np.abs(out - ref)
+    assert np.all(err <= bound), (float(err.max()), float(bound[np.unravel_index(np.argmax(err - bound), err.shape)]))
+
+
+def test_group_activation_quantization():
+    x = jnp.asarray([[1.0, -2.0, 0.5, 0.25, 0.0, 0.0, 8.0, 1.0],
+                     [127.0, 1.0, 1.0, 1.0, -0.5, 0.25, 0.5, 0.5]])
+    xq, xs = quantize_activations(x, 4)  # two groups of 4 columns per token
+    assert xs.shape == (2, 2) and xq.shape == (2, 8)
+    assert np.array_equal(np.asarray(xs), np.float32([[2.0, 8.0], [127.0, 0.5]]) / np.float32(127))
+    assert np.array_equal(np.asarray(xq), np.int8([[64, -127, 32, 16, 0, 0, 127, 16],
+                                                   [127, 1, 1, 1, -127, 64, 127, 127]]))
+    xq0, xs0 = quantize_activations(x)  # group 0: one scale per token, as before
+    assert xs0.shape == (2, 1) and np.array_equal(np.asarray(quantize_activations(x, 8)[0]), np.asarray(xq0))
+    with pytest.raises(ValueError, match="group 3"):
+        quantize_activations(x, 3)
+
+
+def test_group_reference_is_the_definition():
+    """int8_matmul_ref against the formula written out in numpy (float64 over exact integers)."""
+    x, _, q = _grouped(3, 256, 130, 64, seed=5, outliers=True)
+    xq, xs = (np.asarray(a) for a in quantize_activations(x, 64))
+    wq = np.asarray(q.values).astype(np.int64)
+    parts = np.stack([xq[:, g * 64:(g + 1) * 64].astype(np.int64) @ wq[:, g * 64:(g + 1) * 64].T for g in range(4)])
+    want = np.asarray(q.scale, np.float64) * np.einsum("gmn,mg->mn", parts.astype(np.float64), xs)
+    ref = int8_matmul_ref(x, q)
+    _assert_close(ref, want, _order_bound(x, q, 4 + 2))
+
+
+@pytest.mark.parametrize("m,k,n,g", [(1, 640, 1000, 128), (8, 512, 200, 64), (16, 256, 136, 32), (3, 512, 256, 256)])
+def test_group_kernel_matches_reference(m, k, n, g):
+    """Odd out sizes (one full-width block), several G (sub-blocks of 32 / 64 lanes too)."""
+    x, _, q = _grouped(m, k, n, g, seed=m + g, outliers=True)
+    out = int8_matmul_pallas(x, q, interpret=INTERPRET)
+    ref = int8_matmul_ref(x, q)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    bound = _order_bound(x, q, 2 * (k // g + 2))
+    _assert_close(out, ref, bound)
+    # the comparison can fail: per-token scales (act_group 0) on the same data land far outside it
+    per_token = int8_matmul_ref(x, dataclasses.replace(q, act_group=0))
+    assert np.mean(np.abs(np.asarray(per_token) - np.asarray(ref)) > bound) > 0.5
+
+
+def test_group_kernel_prefill_bf16():
+    x, _, q = _grouped(512, 640, 1000, 128, seed=7, xdtype=jnp.bfloat16, outliers=True)
+    out = int8_matmul_pallas(x, q, interpret=INTERPRET)
+    ref = int8_matmul_ref(x, q)
+    assert out.dtype == jnp.bfloat16
+    # float32 values within the order bound may round to neighbouring bf16 numbers: one bf16 ulp (<= 2**-7 |v|)
+    bound = _order_bound(x, q, 2 * (640 // 128 + 2)) + 2.0**-7 * np.abs(np.asarray(ref, np.float64))
+    _assert_close(out, ref, bound)
+
+
+def test_group_kernel_multi_block_grid():
+    """Grid (2, 3, 4) with two groups per K block: the float32 accumulator starts at zero on every (i, j) tile
+    (interpret mode fills scratch with NaN), the group scales follow the K block, M padding does not leak."""
+    x, _, q = _grouped(40, 1024, 384, 128, seed=2, outliers=True)
+    out = int8_matmul_pallas(x, q, interpret=INTERPRET, blocks=(32, 128, 256))
+    _assert_close(out, int8_matmul_ref(x, q), _order_bound(x, q, 2 * (1024 // 128 + 2)))
+    with pytest.raises(ValueError, match="act_group 256"):  # tk 128 cannot hold a whole group of 256
+        int8_matmul_pallas(x, dataclasses.replace(q, act_group=256), interpret=INTERPRET, blocks=(32, 128, 128))
+
+
+@pytest.mark.parametrize("m,form,g", [(1, "vector", 128), (1, "vector", 32), (7, "int", 128), (7, "int", 32),
+                                      (7, "batch", 64), (1, "auto", 128), (7, "auto", 128)])
+def test_group_xla_forms_match_reference(m, form, g):
+    x, _, q = _grouped(m, 640, 1000, g, seed=11, outliers=True)
+    out = jax.jit(lambda x, q: int8_matmul_xla(x, q, form=form))(x, q)
+    ref = int8_matmul_ref(x, q)
+    # "vector" multiplies dequantized activations: each product and the K-term float32 sum round
+    vector = form == "vector" or (form == "auto" and m == 1)
+    _assert_close(out, ref, _order_bound(x, q, (640 + 640 // g + 5) if vector else 2 * (640 // g + 2)))
+
+
+def test_group_auto_form_by_width():
+    """One row: the dequantized-activation "vector" fusion up to in 3072, the group loop ("int") beyond it, where
+    XLA:CPU's one-row fusion stops streaming (int8_matmul.py); both agree with the reference."""
+    for k, loop in ((640, False), (4096, True)):
+        x, _, q = _grouped(1, k, 64, 128, seed=k, outliers=True)
+        f = jax.jit(lambda x, q: int8_matmul_xla(x, q))
+        assert ("while" in f.lower(x, q).as_text()) == loop, k
+        _assert_close(f(x, q), int8_matmul_ref(x, q), _order_bound(x, q, k + k // 128 + 5))
+
+
+def test_group_dispatch_impls():
+    x, _, q = _grouped(3, 640, 1000, 128, seed=12, outliers=True)
+    ref = int8_matmul_ref(x, q)
+    for impl in ("auto", "xla"):  # "pallas_interpret" runs the kernel tested above
+        _assert_close(jax.jit(lambda x, q, i=impl: int8_matmul(x, q, i))(x, q), ref,
+                      _order_bound(x, q, 2 * (640 // 128 + 2)))
+
+
+def test_groups_cut_the_error_of_outlier_activations():
+    """With outlier channels, the per-group result is far closer to the float matmul than the per-token one, and
+    within the derived bound: per output, sum_g sum_{k in g} |x_k| aw_n / 254 + ax_g |w_nk| / 254 + ax_g aw_n / 254**2
+    (ax_g = max |x| over the token's group g, aw_n = max |w_n|; round to nearest)."""
+    x, w, q = _grouped(16, 640, 1000, 128, seed=13, outliers=True)
+    yf = np.asarray(jnp.dot(x, w.T, precision="highest"), np.float64)
+    err_g = np.abs(np.asarray(int8_matmul_ref(x, q), np.float64) - yf)
+    err_t = np.abs(np.asarray(int8_matmul_ref(x, dataclasses.replace(q, act_group=0)), np.float64) - yf)
+    xa, wa = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64))
+    ax = np.repeat(xa.reshape(16, 5, 128).max(-1), 128, axis=1)  # [M, K]: the max of each column's group
+    aw = wa.max(1)[None, :]
+    bound = xa.sum(1)[:, None] * aw / 254 + ax @ wa.T / 254 + ax.sum(1)[:, None] * aw / 254**2
+    assert np.all(err_g <= bound * (1 + 1e-4) + 1e-6)
+    # rounding errors scale with the step: per token every column gets the outliers' coarse step, per group only
+    # the 128 columns of their group, so the error norm should shrink to about sqrt(128 / 640) = 0.45 of it
+    assert np.linalg.norm(err_g) < 0.6 * np.linalg.norm(err_t), (np.linalg.norm(err_g), np.linalg.norm(err_t))
+
+
+def test_act_group_metadata():
+    w = _data(1, 640, 64)[1]
+    q = quantize(w, "int8", act_group=128)
+    assert q.act_group == 128 and np.array_equal(np.asarray(q.values), np.asarray(quantize(w, "int8").values))
+    assert quantize(w, "int8").act_group == 0  # the default: one scale per token, as before
+    a = QuantArray.abstract((64, 640), "int8", act_group=128)
+    assert a == abstract_quant((64, 640), "int8", act_group=128) and a.act_group == 128
+    # static metadata: part of the tree structure, kept by jit and by indexing expert stacks
+    assert jax.tree.structure(q) != jax.tree.structure(quantize(w, "int8"))
+    assert jax.jit(lambda q: q)(q).act_group == 128
+    assert quantize(jnp.stack([w, w]), "int8", act_group=64)[1].act_group == 64
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(w, "int8", act_group=48)
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize(w, "int8", act_group=96)  # 640 = 6 * 96 + 64
+    with pytest.raises(ValueError, match="int8"):
+        quantize(w, "int4", act_group=128)
+
+
+def test_w8a8_loading_default():
+    """Projections get G = 128 where it divides `in` (else per token); tables stay per token."""
+    from gemmajax.quant.loading import Quantizer
+
+    assert default_act_group(640) == 128 and default_act_group(2112) == 0 and default_act_group(64) == 0
+    qz = Quantizer("w8a8+emb8")
+    assert qz("model.layers.0.mlp.down_proj.weight", jnp.ones((8, 256))).act_group == 128
+    assert qz("model.layers.0.mlp.down_proj.weight", jnp.ones((8, 320))).act_group == 0
+    assert qz("embed_tokens.weight", jnp.ones((30, 256))).act_group == 0
+    assert Quantizer("w4a16")("model.layers.0.mlp.up_proj.weight", jnp.ones((8, 256))).act_group == 0

@@ -1,6 +1,7 @@
 """Deviceless TPU compiles (libtpu, no TPU) of the w8a8 and w4a16 Pallas kernels at Gemma 4 E2B and 12B layer shapes,
 decode (M = 1) and prefill (M = 512), for v5e:1x1 and v6e:1x1: Mosaic's tiling and VMEM rules are checked exactly as
-on the chip. About 45 s on two cores."""
+on the chip. w8a8 twice: per-token activation scales and the loaders' default, per token per 128 columns.
+About 70 s on two cores."""
 import os
 
 import jax
@@ -11,6 +12,7 @@ from jax.experimental import topologies
 from gemmajax.quant import QuantArray, linear
 from gemmajax.quant.int4_matmul import int4_matmul_pallas
 from gemmajax.quant.int8_matmul import int8_matmul_pallas
+from gemmajax.quant.quantize import default_act_group
 
 pytest.importorskip("libtpu", reason="libtpu is needed for deviceless TPU compiles")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu starts; other tests may hold its lock
@@ -31,10 +33,14 @@ def tpu(request):
     return jax.sharding.SingleDeviceSharding(topo.devices[0])
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8-groups"])
 def test_kernels_compile_at_layer_shapes(tpu, kind):
+    groups = kind == "int8-groups"
+    kind = kind.removesuffix("-groups")
     for k, n in SHAPES:
-        q = QuantArray.abstract((n, k), kind, sharding=tpu)
+        ag = default_act_group(k) if groups else 0
+        assert ag == (128 if groups else 0), (k, ag)  # every E2B / 12B width is a multiple of 128
+        q = QuantArray.abstract((n, k), kind, sharding=tpu, act_group=ag)
         for m in (1, 512):
             x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=tpu)
             compiled = jax.jit(KERNELS[kind]).lower(x, q).compile()
@@ -46,13 +52,13 @@ def test_kernels_compile_at_layer_shapes(tpu, kind):
             assert cost["flops"] >= 2 * m * k * n, (kind, k, n, m, cost["flops"])
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_auto_dispatch_picks_the_kernel_when_lowering_for_tpu(tpu, kind):
+@pytest.mark.parametrize("kind,ag", [("int8", 0), ("int4", 0), ("int8", 128)])
+def test_auto_dispatch_picks_the_kernel_when_lowering_for_tpu(tpu, kind, ag):
     """impl="auto" decides at lowering time: the TPU program calls the Pallas kernel, the CPU one does not."""
-    q = QuantArray.abstract((2048, 1536), kind, sharding=tpu)
+    q = QuantArray.abstract((2048, 1536), kind, sharding=tpu, act_group=ag)
     x = jax.ShapeDtypeStruct((4, 1536), jnp.bfloat16, sharding=tpu)
     tpu_text = jax.jit(lambda x, q: linear(x, q)).lower(x, q).as_text()
     assert "tpu_custom_call" in tpu_text
     cpu_text = jax.jit(lambda x, q: linear(x, q)).lower(
-        jax.ShapeDtypeStruct((4, 1536), jnp.bfloat16), QuantArray.abstract((2048, 1536), kind)).as_text()
+        jax.ShapeDtypeStruct((4, 1536), jnp.bfloat16), QuantArray.abstract((2048, 1536), kind, act_group=ag)).as_text()
     assert "tpu_custom_call" not in cpu_text

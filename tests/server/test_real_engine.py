@@ -158,7 +158,8 @@ def test_named_tool_choice(oai):
             {"type": "function", "function": {"name": "get_time", "parameters": {
                 "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
                 "required": ["tz"]}}}],
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100, temperature=0.9, seed=4)
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100, temperature=0.9, seed=4,
+        parallel_tool_calls=False)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.tool_calls[0].function.name == "get_time"
     assert json.loads(ch.message.tool_calls[0].function.arguments)["tz"] in ("UTC", "CET")

@@ -1,0 +1,778 @@
+"""`gemmajax aot`: does model X fit TPU chip Y? Deviceless compiles of the serving step through libtpu, no TPU.
+
+Design choices: weights, paged caches and step inputs are ShapeDtypeStructs placed on a device of a TPU topology
+description, so nothing is allocated and the real TPU compiler (Mosaic for the Pallas kernels, XLA:TPU for the
+rest) enforces the chip's HBM: a RESOURCE_EXHAUSTED compile means "does not fit", with the compiler's numbers.
+The KV budget is what is left of the compiler's HBM limit after weights, the compiled steps' temporaries (measured
+with a small cache) and a margin; the cache it buys is proven by compiling the step again at that size. Speed is a
+roofline projection (bytes read per decode step over HBM bandwidth) and is printed as a projection, never as a
+measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# libtpu takes a machine-wide lock file unless told otherwise; deviceless compiles never touch a TPU, so several
+# processes (this one, tests, other tools) may load it at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gemmajax.config import SLIDING, ModelConfig  # noqa: E402
+from gemmajax.engine.runner import (  # noqa: E402
+    RunnerSpec,
+    StepInputs,
+    abstract_caches,
+    bucket,
+    build_step_inputs,
+    kv_groups,
+    model_step,
+    pow2_buckets,
+)
+from gemmajax.kv.attention import kernel_supports  # noqa: E402
+from gemmajax.kv.layout import kv_dtype as resolve_kv_dtype  # noqa: E402
+from gemmajax.model import gemma  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+MODELS = ("e2b", "e4b", "12b", "26b-a4b", "31b")
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNSUPPORTED, EXIT_COMPILE_ERROR = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU chip: HBM as sold, the HBM a compiled program may use (the compiler's own limit, read from its
+    RESOURCE_EXHAUSTED message with libtpu 0.0.52) and the HBM bandwidth used for the roofline projection."""
+
+    name: str
+    hbm_bytes: int
+    hbm_limit: int
+    bandwidth: float  # bytes / s
+
+
+CHIPS: dict[str, Chip] = {
+    "v5e": Chip("v5e", 16 * GiB, int(15.75 * GiB), 819e9),
+    "v6e": Chip("v6e", 32 * GiB, int(31.24 * GiB), 1640e9),
+}
+
+
+@dataclass(frozen=True)
+class AotRequest:
+    """What to check. `cfg` is a preset's config or any ModelConfig (tests use tiny ones through the same path)."""
+
+    cfg: ModelConfig
+    chip: str = "v5e"
+    topology: str = "1x1"
+    quant: str = "none"
+    kv_dtype: str = "bf16"
+    max_model_len: int = 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    page_size: int = 32
+    margin_bytes: int = 256 * MiB
+    proj_context: int | None = None      # context length of the roofline projection (default: max_model_len)
+    dtype: str = "bfloat16"              # weight / activation dtype of the unquantized parts
+    attn_impl: str = "pallas"            # "pallas" (TPU kernel) | "ref" (the jnp path); pallas falls back to ref
+    probe: bool = True                   # compile decode and prefill with a small cache first to measure temporaries
+    steps: tuple[str, ...] = ("decode", "prefill")
+    # probe=False (the fit table's fast mode): size the cache from weights + overhead_guess, compile the last of
+    # `steps` at that size, then once more at the size its measured overhead allows when the guess was off
+    overhead_guess: int = 512 * MiB
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.name or "custom"
+
+
+@dataclass
+class StepCompile:
+    """One deviceless compile of the serving step: its shape and what the compiler reported (bytes)."""
+
+    step: str                 # "decode" | "prefill"
+    tokens: int               # T (bucketed)
+    seqs: int                 # S (bucketed)
+    kv_pages: tuple[int, ...]  # pages per KV group in this compile
+    kv_bytes: int
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    seconds: float = 0.0
+    attn_impl: str = ""
+    pallas_calls: int = 0     # Mosaic (Pallas TPU) kernel calls in the lowered program
+    oom: str | None = None    # the compiler's RESOURCE_EXHAUSTED message when it did not fit
+    error: str | None = None  # any other compile failure
+
+    @property
+    def ok(self) -> bool:
+        return self.oom is None and self.error is None
+
+    @property
+    def peak_bytes(self) -> int:
+        """HBM the program holds while it runs: arguments + outputs not aliased to arguments + temporaries + code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Everything but the KV pages (weights, step inputs, logits, temporaries, code)."""
+        return self.peak_bytes - self.kv_bytes
+
+
+@dataclass
+class Projection:
+    """Roofline projection of decode speed (NOT a measurement): tokens/s = HBM bandwidth / bytes read per step."""
+
+    context: int
+    bytes_1: float            # bytes read by one decode step with 1 sequence
+    bytes_16: float           # ... with 16 sequences
+    tok_s_1: float            # tokens/s of the one stream
+    tok_s_16: float           # aggregate tokens/s of 16 streams
+    weights_read: float       # weight bytes read per step at 1 stream (gathers: rows only; tied head: in full)
+    kv_read_per_seq: float    # KV bytes one sequence reads per step at `context`
+
+
+@dataclass
+class AotResult:
+    """Everything `gemmajax aot` prints (and `--json` dumps)."""
+
+    model: str
+    chip: str
+    topology: str
+    quant: str
+    kv_dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+    hbm_bytes: int
+    hbm_limit: int
+    bandwidth: float
+    margin_bytes: int
+    weight_bytes: int
+    weight_breakdown: dict[str, int]
+    fits: bool = False
+    reason: str = ""
+    attn_impl: str = ""
+    matmul_impl: str = ""
+    kv_budget_bytes: int = 0
+    kv_cache_bytes: int = 0
+    kv_pages: dict[str, int] = field(default_factory=dict)
+    kv_tokens: int = 0              # full-attention context tokens across sequences the cache holds (see count_note)
+    kv_seqs_at_max_len: float = 0.0  # sequences of max_model_len the cache holds at once
+    kv_bytes_per_token_ours: float = 0.0    # at max_model_len: windowed sliding layers, KV sharing
+    kv_bytes_per_token_vllm: float = 0.0    # every KV-owning layer keeps the whole context
+    kv_tokens_vllm_style: int = 0           # the same budget divided by the vLLM-style bytes per token
+    count_note: str = ""
+    compiles: list[StepCompile] = field(default_factory=list)
+    proof: StepCompile | None = None
+    projection: Projection | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def temp_bytes(self) -> dict[str, int]:
+        return {c.step: c.temp_bytes for c in self.compiles if c.ok}
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["exit_code"] = EXIT_FITS if self.fits else EXIT_DOES_NOT_FIT
+        return d
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Abstract weights (shapes only), quantized per the `quant` scheme
+# ---------------------------------------------------------------------------------------------------------------
+
+def abstract_model_weights(cfg: ModelConfig, quant: str = "none", dtype: str = "bfloat16",
+                           sharding: Any = None) -> gemma.Weights:
+    """The model's weight tree as ShapeDtypeStructs (and abstract QuantArrays), placed on `sharding`.
+
+    Every tensor goes through the loaders' own quantizer (gemmajax.quant.loading.make_quantizer) under
+    jax.eval_shape, so the tree has exactly the leaves, layouts and QuantArray metadata a loaded checkpoint has
+    (projections in the scheme's linear kind, vocabulary tables only with +emb4 / +emb8, norms float32), with no
+    memory touched. qat-w4a16 is sized as w4a16 (the same int4 storage; whether a tensor repacks depends on its
+    values, which an abstract tree does not have, so every tensor is assumed on-grid).
+    """
+    from gemmajax.quant import parse_quant, quantize_table
+    from gemmajax.quant.loading import make_quantizer
+
+    scheme = parse_quant(quant)
+    storage = scheme.name.replace("qat-", "")
+    quantizer = make_quantizer(storage)
+    wdt = jnp.dtype(dtype)
+
+    def leaf(name: str, sds: jax.ShapeDtypeStruct) -> Any:
+        if quantizer is None:
+            return sds
+        return jax.eval_shape(lambda w: quantizer(name, w), sds)
+
+    w = gemma.abstract_weights(cfg, wdt, quantize=leaf)
+    if scheme.table_bits:  # a build_weights that does not pass the tables through `quantize`
+        def table(t):
+            if not isinstance(t, jax.ShapeDtypeStruct):
+                return t
+            return jax.eval_shape(lambda a: quantize_table(a, scheme.table_bits), t)
+        w = dataclasses.replace(w, embed=table(w.embed), ple_table=table(w.ple_table))
+    if sharding is not None:
+        w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), w)
+    return w
+
+
+def _nbytes(a: Any) -> int:
+    return int(math.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array leaf of a (possibly abstract) pytree; QuantArrays count values and scales."""
+    return sum(_nbytes(a) for a in jax.tree.leaves(tree))
+
+
+def weight_breakdown(w: gemma.Weights) -> dict[str, int]:
+    """Bytes by part: embedding (= tied LM head), per-layer embeddings, MoE experts, everything else."""
+    total = tree_bytes(w)
+    embed = tree_bytes(w.embed)
+    ple = tree_bytes(w.ple_table) if w.ple_table is not None else 0
+    experts = sum(tree_bytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
+    return {"embedding": embed, "per_layer_embedding": ple, "experts": experts,
+            "other": total - embed - ple - experts, "total": total}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV accounting
+# ---------------------------------------------------------------------------------------------------------------
+
+def _probe_spec(cfg: ModelConfig, page_size: int, kv_dtype: str) -> RunnerSpec:
+    groups = kv_groups(cfg)
+    return RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype)
+
+
+def sliding_span(cfg: ModelConfig, max_model_len: int, chunk: int) -> int:
+    """Tokens one sequence keeps in the sliding group: the window plus one step's chunk (engine.runner.plan_pages)."""
+    w = max((s.window for s in cfg.layers if s.kind == SLIDING), default=0)
+    return min(max_model_len, w + chunk)
+
+
+def pages_per_seq(cfg: ModelConfig, group: str, max_model_len: int, chunk: int, page_size: int) -> int:
+    """Pages one max_model_len sequence holds in a group (+1 for a page boundary inside the span, as plan_pages)."""
+    span = sliding_span(cfg, max_model_len, chunk) if group == SLIDING else max_model_len
+    return math.ceil(span / page_size) + 1
+
+
+@dataclass
+class KVPlan:
+    """Pages per group for a byte budget, split between groups in the engine's proportion (see plan_kv)."""
+
+    groups: tuple[str, ...]
+    num_pages: tuple[int, ...]
+    page_bytes: tuple[int, ...]
+    seqs_at_max_len: float    # max_model_len-long sequences the pages hold at once (fractional)
+    tokens: int               # context tokens the pages hold when filled with max_model_len-long sequences
+    minimum_bytes: int        # the null pages plus one max_model_len-long sequence
+
+    @property
+    def fits(self) -> bool:
+        return self.seqs_at_max_len >= 1
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.num_pages, self.page_bytes))
+
+
+def plan_kv(cfg: ModelConfig, budget: int, *, max_model_len: int, chunk: int, page_size: int, kv_dtype: str,
+            seqs: float | None = None) -> KVPlan:
+    """Spend `budget` bytes on KV pages the way the engine does (engine.runner.plan_pages), without its cap.
+
+    A max_model_len-long sequence holds ceil(span / page_size) + 1 pages per group, where the span is the whole
+    context for full-attention layers and window + chunk for sliding layers; KV-shared layers hold nothing. The
+    budget, less one null page per group, buys n such sequences; each group gets 1 + floor(n x its pages per
+    sequence) pages (plan_pages' proportion, not capped at max_num_seqs). Counting: KV tokens = n x max_model_len,
+    the context the cache holds when filled with max_model_len-long sequences; sequences shorter than window +
+    chunk pay for every token in the sliding layers too (as vLLM-TPU's layout does). `seqs` fixes n instead.
+    """
+    spec = _probe_spec(cfg, page_size, kv_dtype)
+    groups, per_page = spec.groups, tuple(spec.page_bytes())
+    pps = [pages_per_seq(cfg, g, max_model_len, chunk, page_size) for g in groups]
+    per_seq = sum(n * b for n, b in zip(pps, per_page))
+    null = sum(per_page)
+    n = seqs if seqs is not None else max(0.0, (budget - null) / per_seq)
+    pages = tuple(max(2, 1 + math.floor(n * k)) for k in pps)
+    held = min((p - 1) / k for p, k in zip(pages, pps))
+    return KVPlan(groups, pages, per_page, held, int(held * max_model_len), null + per_seq)
+
+
+def kv_bytes_per_token_ours(cfg: ModelConfig, max_model_len: int, chunk: int, page_size: int, kv_dtype: str) -> float:
+    """KV bytes per context token of one max_model_len sequence in our cache: sliding layers hold only window +
+    chunk tokens, KV-shared layers hold nothing (page rounding included)."""
+    spec = _probe_spec(cfg, page_size, kv_dtype)
+    total = 0.0
+    for g, pb in zip(spec.groups, spec.page_bytes()):
+        total += pages_per_seq(cfg, g, max_model_len, chunk, page_size) * pb
+    return total / max_model_len
+
+
+def kv_bytes_per_token_vllm(cfg: ModelConfig, kv_dtype: str) -> float:
+    """vLLM-TPU-style: every KV-owning layer stores K and V of the whole context (sliding layers not windowed)."""
+    return cfg.kv_bytes_per_token(resolve_kv_dtype(kv_dtype).itemsize, windowed=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Roofline projection
+# ---------------------------------------------------------------------------------------------------------------
+
+def decode_bytes_read(cfg: ModelConfig, w: gemma.Weights, batch: int, context: int,
+                      kv_dtype: str) -> tuple[float, float]:
+    """Bytes one decode step reads from HBM for `batch` sequences at `context` tokens each.
+
+    Weights: every leaf once, except the per-layer-embedding table (only the `batch` gathered rows) and the
+    embedding (read in full as the tied LM head, plus the gathered rows); MoE experts: the expected number of
+    distinct experts hit by batch x top_k uniform routings, E (1 - (1 - k/E)^batch). KV: every layer (KV-shared
+    layers included: they read their source's pages) reads min(context, window) tokens of K and V.
+    Returns (weight bytes, KV bytes per sequence).
+    """
+    def row_bytes(t) -> float:
+        return tree_bytes(t) / t.shape[0]
+
+    weights = float(tree_bytes(w))
+    if w.ple_table is not None:
+        weights -= tree_bytes(w.ple_table) - batch * row_bytes(w.ple_table)
+    weights += batch * row_bytes(w.embed)
+    if cfg.enable_moe:
+        E, k = cfg.num_experts, cfg.top_k_experts
+        hit = E * (1.0 - (1.0 - k / E) ** batch)
+        experts = sum(tree_bytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
+        weights -= experts * (1.0 - hit / E)
+    item = resolve_kv_dtype(kv_dtype).itemsize
+    kv = 0.0
+    for s in cfg.layers:
+        src = cfg.layers[s.kv_source]
+        toks = min(context, s.window) if s.window is not None else context
+        kv += toks * 2 * src.num_kv_heads * src.head_dim * item
+    return weights, kv
+
+
+def project(cfg: ModelConfig, w: gemma.Weights, chip: Chip, context: int, kv_dtype: str) -> Projection:
+    """Decode tokens/s at 1 and 16 streams if the step were bound by HBM bandwidth alone (a projection)."""
+    w1, kv = decode_bytes_read(cfg, w, 1, context, kv_dtype)
+    w16, _ = decode_bytes_read(cfg, w, 16, context, kv_dtype)
+    b1, b16 = w1 + kv, w16 + 16 * kv
+    return Projection(context=context, bytes_1=b1, bytes_16=b16, tok_s_1=chip.bandwidth / b1,
+                      tok_s_16=16 * chip.bandwidth / b16, weights_read=w1, kv_read_per_seq=kv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deviceless compiles
+# ---------------------------------------------------------------------------------------------------------------
+
+_OOM_RE = re.compile(r"\(([\d.]+)([KMGT]?)\)\s*exceeds available HBM\s*\(([\d.]+)([KMGT]?)\)")
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_oom(message: str) -> tuple[int, int] | None:
+    """(bytes required, bytes available) from a CompileTimeHbmOom message, or None when it has no such numbers."""
+    m = _OOM_RE.search(message)
+    if not m:
+        return None
+    return int(float(m.group(1)) * _UNIT[m.group(2)]), int(float(m.group(3)) * _UNIT[m.group(4)])
+
+
+class _DropKernelNoise(logging.Filter):
+    """Pallas logs 'AsyncCopyDescriptor was not used' once per kernel trace; it says nothing about the fit."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "AsyncCopyDescriptor was not used" not in record.getMessage()
+
+
+@dataclass
+class Target:
+    """A TPU topology to compile for (no TPU needed)."""
+
+    chip: Chip
+    topology: str
+    devices: Any
+    sharding: Any
+    mesh: Any
+
+    @classmethod
+    def create(cls, chip: str, topology: str = "1x1") -> Target:
+        from jax.experimental import topologies
+
+        if chip not in CHIPS:
+            raise ValueError(f"chip {chip!r} is not supported; expected one of {sorted(CHIPS)}")
+        if topology != "1x1":
+            raise ValueError(f"topology {topology!r}: only 1x1 (one chip) is supported; several chips would need "
+                             "the model sharded across them, which gemmajax does not do yet")
+        topo = topologies.get_topology_desc(f"{chip}:{topology}", platform="tpu")
+        devs = np.array(topo.devices)
+        return cls(CHIPS[chip], topology, devs, jax.sharding.SingleDeviceSharding(devs.flat[0]),
+                   jax.sharding.Mesh(devs.reshape(-1), ("x",)))
+
+    def abstract(self, tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding), tree)
+
+
+def step_shapes(req: AotRequest) -> dict[str, tuple[int, int]]:
+    """(T, S) of the decode and prefill programs, bucketed as the engine buckets them (LLMEngine)."""
+    t_buckets = pow2_buckets(16, req.max_num_batched_tokens)
+    s = req.max_num_seqs
+    return {"decode": (bucket(s, t_buckets), s), "prefill": (req.max_num_batched_tokens, s)}
+
+
+def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, step: str, tokens: int,
+                 seqs: int) -> StepCompile:
+    """Lower and compile model_step (caches donated, as ModelRunner does) for the target; never raises for an
+    out-of-memory or lowering failure: they are recorded in the result."""
+    kv = abstract_caches(spec, target.sharding)
+    res = StepCompile(step=step, tokens=tokens, seqs=seqs, kv_pages=tuple(spec.num_pages),
+                      kv_bytes=spec.cache_bytes(), attn_impl=spec.attn_impl)
+    inp: StepInputs = target.abstract(build_step_inputs(spec, [], tokens, seqs))
+
+    def fn(w, kv, inp):
+        return model_step(w, spec, kv, inp)
+
+    noise = _DropKernelNoise()
+    logging.getLogger().addFilter(noise)
+    t0 = time.perf_counter()
+    try:
+        with jax.set_mesh(target.mesh):  # Pallas asks the current mesh which TPU it lowers for
+            lowered = jax.jit(fn, donate_argnums=(1,)).lower(weights, kv, inp)
+            res.pallas_calls = lowered.as_text().count("@tpu_custom_call")
+            compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 -- the compiler's verdict is the result
+        msg = f"{type(e).__name__}: {e}"
+        if "RESOURCE_EXHAUSTED" in msg or "HbmOom" in msg:
+            res.oom = msg.strip().splitlines()[0][:600]
+        else:
+            res.error = msg[:2000]
+        return res
+    finally:
+        logging.getLogger().removeFilter(noise)
+        res.seconds = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    res.argument_bytes = int(m.argument_size_in_bytes)
+    res.output_bytes = int(m.output_size_in_bytes)
+    res.alias_bytes = int(m.alias_size_in_bytes)
+    res.temp_bytes = int(m.temp_size_in_bytes)
+    res.code_bytes = int(m.generated_code_size_in_bytes)
+    return res
+
+
+def _spec(req: AotRequest, num_pages: tuple[int, ...], attn_impl: str) -> RunnerSpec:
+    cfg = req.cfg
+    return RunnerSpec(cfg, kv_groups(cfg), req.page_size, tuple(num_pages),
+                      math.ceil(req.max_model_len / req.page_size),
+                      req.kv_dtype, attn_impl=attn_impl)
+
+
+def _attn_impl(req: AotRequest) -> tuple[str, str | None]:
+    """The attention implementation to compile, and why the kernel is not used when it is not
+    (`gemmajax.kv.attention.kernel_supports` on every KV layer's pages and both steps' shapes)."""
+    if req.attn_impl != "pallas":
+        return req.attn_impl, None
+    spec = _spec(req, (2,) * len(kv_groups(req.cfg)), "pallas")
+    takes_meta = len(inspect.signature(kernel_supports).parameters) >= 3
+    for step, (t, s) in step_shapes(req).items():
+        meta = build_step_inputs(spec, [], t, s).metas[0]
+        for li, lay in zip(req.cfg.kv_layers, spec.layouts()):
+            pages = jax.ShapeDtypeStruct(lay.shape(2), lay.jnp_dtype)
+            q = jax.ShapeDtypeStruct((t, req.cfg.num_heads, lay.head_dim), jnp.dtype(req.dtype))
+            reason = kernel_supports(pages, q, meta) if takes_meta else kernel_supports(pages, q)
+            if reason is not None:
+                return "ref", f"{step} step, layer {li}: {reason}"
+    return "pallas", None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The analysis
+# ---------------------------------------------------------------------------------------------------------------
+
+def analyze(req: AotRequest, log=None) -> AotResult:
+    """Weights, temporaries, KV budget, proof compile and projection for one request (see the module docstring)."""
+    say = log or (lambda msg: None)
+    cfg = req.cfg
+    if req.chip not in CHIPS:
+        raise ValueError(f"chip {req.chip!r} is not supported; expected one of {sorted(CHIPS)}")
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+        if getattr(req, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(req, name)}")
+    if req.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={req.max_model_len} exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    if req.max_num_seqs > req.max_num_batched_tokens:
+        raise ValueError(f"max_num_seqs={req.max_num_seqs} exceeds max_num_batched_tokens="
+                         f"{req.max_num_batched_tokens}: a decode step of every sequence would not fit one step")
+    resolve_kv_dtype(req.kv_dtype)
+    chip = CHIPS[req.chip]
+    w_plain = abstract_model_weights(cfg, req.quant, req.dtype)
+    breakdown = weight_breakdown(w_plain)
+    res = AotResult(
+        model=req.model_name, chip=req.chip, topology=req.topology, quant=req.quant, kv_dtype=req.kv_dtype,
+        max_model_len=req.max_model_len, max_num_seqs=req.max_num_seqs,
+        max_num_batched_tokens=req.max_num_batched_tokens, page_size=req.page_size, hbm_bytes=chip.hbm_bytes,
+        hbm_limit=chip.hbm_limit, bandwidth=chip.bandwidth, margin_bytes=req.margin_bytes,
+        weight_bytes=breakdown["total"], weight_breakdown=breakdown,
+        kv_bytes_per_token_ours=kv_bytes_per_token_ours(cfg, req.max_model_len, req.max_num_batched_tokens,
+                                                        req.page_size, req.kv_dtype),
+        kv_bytes_per_token_vllm=kv_bytes_per_token_vllm(cfg, req.kv_dtype),
+        matmul_impl="dense XLA (bf16)" if req.quant == "none" else
+        "gemmajax.quant 'auto': Pallas int8/int4 kernels when lowered for TPU")
+    res.projection = project(cfg, w_plain, chip, req.proj_context or req.max_model_len, req.kv_dtype)
+    chunk = req.max_num_batched_tokens
+    plan_kw = dict(max_model_len=req.max_model_len, chunk=chunk, page_size=req.page_size, kv_dtype=req.kv_dtype)
+    res.count_note = (f"KV tokens = context the cache holds filled with {req.max_model_len}-token sequences, each "
+                      f"paying window + {chunk} tokens in sliding layers, its whole context in full layers, nothing "
+                      f"in KV-shared layers (pages rounded up); vLLM-TPU-style = the same bytes / "
+                      f"{res.kv_bytes_per_token_vllm / 1024:.1f} KiB per token")
+
+    # 1. The cheap check: weights alone, or weights with the smallest useful cache, exceed the chip.
+    small_plan = plan_kv(cfg, 0, seqs=1, **plan_kw)
+    minimum = small_plan.minimum_bytes
+    if res.weight_bytes + req.margin_bytes + minimum > chip.hbm_limit:
+        res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + margin {_g(req.margin_bytes)} + the KV of "
+                      f"one {req.max_model_len}-token sequence ({_g(minimum)}) exceed the {chip.name} compiler "
+                      f"limit of {_g(chip.hbm_limit)} (decided without compiling)")
+        return res
+
+    target = Target.create(req.chip, req.topology)
+    weights = target.abstract(w_plain)
+    impl, why = _attn_impl(req)
+    if why:
+        res.notes.append(f"attention compiled with the jnp reference path (impl='ref'): {why}")
+    shapes = step_shapes(req)
+    steps = [s for s in ("decode", "prefill") if s in req.steps]
+
+    def compile_at(step: str, pages: tuple[int, ...]) -> StepCompile:
+        nonlocal impl
+        t, s = shapes[step]
+        say(f"compiling {step} (T={t}, S={s}, attention {impl}, KV pages {pages}) for {req.chip}:{req.topology}")
+        c = compile_step(target, weights, _spec(req, pages, impl), step, t, s)
+        if c.error and impl == "pallas":
+            res.notes.append(f"the Pallas attention kernel failed to compile ({c.error.splitlines()[0][:300]}); "
+                             "fell back to the jnp reference path (impl='ref')")
+            impl = "ref"
+            c = compile_step(target, weights, _spec(req, pages, impl), step, t, s)
+        say(f"  {'ok' if c.ok else 'OOM' if c.oom else 'error'} in {c.seconds:.0f} s"
+            + (f": temporaries {_g(c.temp_bytes)}, peak {_g(c.peak_bytes)}" if c.ok else ""))
+        return c
+
+    # 2. Temporaries: compile each step with a small cache (the pool size does not change a step's temporaries).
+    small = small_plan.num_pages
+    if req.probe:
+        for step in steps:
+            c = compile_at(step, small)
+            res.compiles.append(c)
+            if c.error:
+                res.attn_impl = impl
+                res.reason = f"compile error in the {step} step: {c.error.splitlines()[0][:500]}"
+                return res
+            if c.oom:
+                res.attn_impl = impl
+                res.reason = f"does not fit: the {step} step with the smallest cache does not compile: {c.oom}"
+                return res
+        overhead = max(c.overhead_bytes for c in res.compiles)
+        proof_step = max(res.compiles, key=lambda c: c.overhead_bytes).step
+    else:
+        overhead = res.weight_bytes + req.overhead_guess
+        proof_step = steps[-1]
+
+    # 3. The KV budget and the cache it buys; 4. prove it by compiling at that size (shrink on an OOM, twice).
+    budget = chip.hbm_limit - req.margin_bytes - overhead
+    for attempt in range(3):
+        plan = plan_kv(cfg, budget, **plan_kw)
+        res.kv_budget_bytes = budget
+        smallest = False
+        if not plan.fits:
+            if req.probe or attempt > 0:  # measured overheads (or the compiler itself) leave no room
+                res.attn_impl = impl
+                res.reason = (f"does not fit: after weights and step overhead {_g(overhead)} and margin "
+                              f"{_g(req.margin_bytes)}, {_g(max(budget, 0))} is left for KV; one "
+                              f"{req.max_model_len}-token sequence needs {_g(plan.minimum_bytes)}")
+                return res
+            plan, smallest = small_plan, True  # only a guess said no: let the compiler decide, smallest cache
+        proof = compile_at(proof_step, plan.num_pages)
+        res.proof = proof
+        if proof.ok:
+            break
+        if proof.error:
+            res.attn_impl = impl
+            res.reason = f"compile error in the {proof_step} step: {proof.error.splitlines()[0][:500]}"
+            return res
+        need = parse_oom(proof.oom)
+        if need is None or attempt == 2 or smallest:
+            res.attn_impl = impl
+            if not req.probe:
+                res.compiles.append(proof)
+            cache = f"the smallest cache (one {req.max_model_len}-token sequence)" if smallest else "its cache"
+            res.reason = f"does not fit: the {proof_step} step with {cache} does not compile: {proof.oom}"
+            return res
+        budget -= (need[0] - need[1]) + req.margin_bytes // 2
+        res.notes.append(f"the proof compile needed {_g(need[0] - need[1])} more than available; cache shrunk")
+    if not req.probe:
+        # Fast mode sized the cache from a guess; with the proof's own overhead known, one more compile takes the
+        # rest of the chip when the guess left a visible amount unused (or shrinks it when the margin was eaten).
+        exact = chip.hbm_limit - req.margin_bytes - proof.overhead_bytes
+        if abs(exact - budget) > max(256 * MiB, budget // 20):
+            better = plan_kv(cfg, exact, **plan_kw)
+            if better.fits:
+                again = compile_at(proof_step, better.num_pages)
+                if again.ok:
+                    plan, proof, budget = better, again, exact
+                    res.proof, res.kv_budget_bytes = again, exact
+                else:
+                    res.notes.append(f"resizing the cache to the measured overhead did not compile "
+                                     f"({(again.oom or again.error or '')[:200]}); kept the first proven size")
+        res.compiles.append(proof)
+    res.attn_impl = impl
+    res.fits = True
+    if chip.hbm_limit - proof.peak_bytes < req.margin_bytes:
+        res.notes.append(f"the compiled peak leaves {_g(chip.hbm_limit - proof.peak_bytes)} of the "
+                         f"{_g(req.margin_bytes)} margin")
+    res.kv_cache_bytes = plan.cache_bytes
+    res.kv_pages = dict(zip(plan.groups, plan.num_pages))
+    res.kv_tokens = plan.tokens
+    res.kv_seqs_at_max_len = plan.seqs_at_max_len
+    vllm_bpt = res.kv_bytes_per_token_vllm
+    res.kv_tokens_vllm_style = int(plan.cache_bytes // vllm_bpt) if vllm_bpt else 0
+    res.reason = (f"fits: the {proof_step} step compiles for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} "
+                  f"KV cache, peak {_g(proof.peak_bytes)} of {_g(chip.hbm_limit)}")
+    if req.probe and len(steps) > 1:
+        other = [c.step for c in res.compiles if c.step != proof_step]
+        res.notes.append(f"{', '.join(other)} needs less HBM besides the cache than {proof_step} (same weights and "
+                         f"cache), so it fits at this cache size too (compiled with a small cache only)")
+    if plan.seqs_at_max_len < req.max_num_seqs:
+        res.notes.append(f"the cache holds {plan.seqs_at_max_len:.1f} sequences of {req.max_model_len} tokens at "
+                         f"once, fewer than max_num_seqs={req.max_num_seqs}: more sequences run only while shorter")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output and the command line
+# ---------------------------------------------------------------------------------------------------------------
+
+def _g(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def format_report(r: AotResult) -> str:
+    """The human-readable report `gemmajax aot` prints."""
+    b = r.weight_breakdown
+    lines = [
+        f"gemmajax aot: {r.model}  quant {r.quant}  kv {r.kv_dtype}  on {r.chip}:{r.topology}  "
+        f"(HBM {_g(r.hbm_bytes)}, compiler limit {_g(r.hbm_limit)}, {r.bandwidth / 1e9:.0f} GB/s)",
+        f"  serving: max_model_len {r.max_model_len}, max_num_seqs {r.max_num_seqs}, "
+        f"max_num_batched_tokens {r.max_num_batched_tokens}, page_size {r.page_size}",
+        f"  kernels: attention {r.attn_impl or '-'}; matmuls {r.matmul_impl}",
+        f"  weights         {_g(r.weight_bytes)}  (embedding/LM head {_g(b['embedding'])}, per-layer embeddings "
+        f"{_g(b['per_layer_embedding'])}, experts {_g(b['experts'])}, other {_g(b['other'])})",
+    ]
+    for c in r.compiles:
+        if c.ok:
+            lines.append(f"  {c.step:<8}        T={c.tokens} S={c.seqs}: {c.pallas_calls} Pallas kernel calls, "
+                         f"temporaries {_g(c.temp_bytes)}, code "
+                         f"{c.code_bytes / MiB:.1f} MiB, step inputs+outputs "
+                         f"{_g(c.overhead_bytes - c.temp_bytes - c.code_bytes - r.weight_bytes)} "
+                         f"(compiled in {c.seconds:.0f} s, KV {_g(c.kv_bytes)})")
+    lines.append(f"  margin          {_g(r.margin_bytes)}")
+    if r.fits:
+        p = r.proof
+        lines += [
+            f"  KV cache        {_g(r.kv_cache_bytes)}  pages {r.kv_pages}",
+            f"  total           {_g(p.peak_bytes)} of {_g(r.hbm_limit)} (proof: {p.step} compiled at full size, "
+            f"temporaries {_g(p.temp_bytes)})",
+            f"  KV bytes/token  ours {r.kv_bytes_per_token_ours / 1024:.1f} KiB at {r.max_model_len} tokens "
+            f"(windowed sliding layers, KV sharing) | vLLM-TPU-style {r.kv_bytes_per_token_vllm / 1024:.1f} KiB",
+            f"  KV tokens       ours {r.kv_tokens:,} ({r.kv_seqs_at_max_len:.1f} sequences of {r.max_model_len} "
+            f"at once) | "
+            f"vLLM-TPU-style {r.kv_tokens_vllm_style:,} in the same {_g(r.kv_cache_bytes)}",
+            f"                  ({r.count_note})",
+        ]
+    if r.projection and r.fits:
+        pr = r.projection
+        lines.append(f"  PROJECTION (roofline, not a measurement) at context {pr.context}: 1 stream reads "
+                     f"{_g(pr.bytes_1)}/step -> {pr.tok_s_1:,.0f} tok/s (projection); 16 streams read "
+                     f"{_g(pr.bytes_16)}/step -> {pr.tok_s_16:,.0f} tok/s aggregate (projection)")
+    for n in r.notes:
+        lines.append(f"  note: {n}")
+    head, _, rest = r.reason.partition(": ")
+    if head in ("fits", "does not fit"):
+        lines.append(f"{head.upper()}: {rest}")
+    else:
+        lines.append(("FITS: " if r.fits else "DOES NOT FIT: ") + r.reason)
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `gemmajax aot` (API.md), plus the engine knobs that change the answer."""
+    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--chip", required=True, choices=tuple(CHIPS))
+    p.add_argument("--topology", default="1x1", help="only 1x1 (one chip) for now")
+    p.add_argument("--quant", default="none", help="none | w8a8 | w4a16 | qat-w4a16 [+emb4|+emb8]")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8_e5m2", "fp8_e4m3"))
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--margin-mib", type=int, default=256, help="HBM kept free besides what the compiler counts")
+    p.add_argument("--proj-context", type=int, default=None, help="context of the projection (default max-model-len)")
+    p.add_argument("--attn-impl", default="pallas", choices=("pallas", "ref"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+
+
+def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None) -> AotRequest:
+    """An AotRequest from parsed flags; flags the caller's parser lacks take their defaults."""
+    def get(name, default):
+        v = getattr(args, name, None)
+        return default if v is None else v
+
+    if cfg is None:
+        cfg = ModelConfig.preset(args.model)
+    return AotRequest(
+        cfg=cfg, chip=args.chip, topology=get("topology", "1x1"), quant=get("quant", "none"),
+        kv_dtype=get("kv_dtype", "bf16"), max_model_len=get("max_model_len", 8192),
+        max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 512),
+        page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,
+        proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"))
+
+
+def run(args: argparse.Namespace, cfg: ModelConfig | None = None, out=None) -> int:
+    """`gemmajax aot`: print the report (or JSON with --json). Returns 0 when it fits, 1 when it does not, 2 for an
+    unsupported request, 3 for a compile failure that is not about memory. `cfg` replaces the preset (tests)."""
+    out = out or sys.stdout
+    try:
+        req = request_from_args(args, cfg)
+        as_json = bool(getattr(args, "json", False))
+        log = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        res = analyze(req, log=log)
+    except ValueError as e:
+        print(f"gemmajax aot: {e}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
+    if getattr(args, "json", False):
+        print(json.dumps(res.to_json(), indent=1), file=out)
+    else:
+        print(format_report(res), file=out)
+    if res.fits:
+        return EXIT_FITS
+    return EXIT_COMPILE_ERROR if res.reason.startswith("compile error") else EXIT_DOES_NOT_FIT
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gemmajax aot", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""gemmajax.aot: KV accounting against hand arithmetic and the vLLM-TPU anchors, abstract quantized weights against
+real quantization, the compiler's HBM limits, and deviceless TPU compiles of a tiny model through the real path.
+
+Full-size compiles (E2B, 12B) take minutes on two cores: they are marked slow (`make test-slow`)."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from gemmajax import aot  # noqa: E402
+from gemmajax.config import ModelConfig, _g4  # noqa: E402
+from gemmajax.model import gemma  # noqa: E402
+
+KiB, GiB = 1024, 1 << 30
+
+
+def _has_libtpu() -> bool:
+    try:
+        from jax.experimental import topologies
+        topologies.get_topology_desc("v5e:1x1", platform="tpu")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_libtpu = pytest.mark.skipif(not _has_libtpu(), reason="libtpu is not installed (pip install libtpu)")
+
+
+def tiny_cfg(vocab: int = 1024) -> ModelConfig:
+    """4 layers (sliding, full, then a KV-shared sliding and full pair), head dims 256 / 512 (the kernel's lanes),
+    per-layer embeddings: every structural feature of E2B at toy size."""
+    cfg = ModelConfig.from_hf(_g4(256, 4, 2, 1, None, 512, 2, 64, ple=64, shared=2, double=True), name="tiny")
+    return cfg.replace(vocab_size=vocab, ple_vocab_size=vocab)
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(model="e2b", chip="v5e", topology="1x1", quant="none", kv_dtype="bf16", max_model_len=8192,
+                max_num_seqs=64, json=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+# --------------------------------------------------------------------------------------------- KV accounting
+
+def test_vllm_style_bytes_per_token_match_anchors():
+    # anchors.md 2.4: E2B 18 KiB/token bf16 (15 caching layers), 12B 336 KiB/token as allocated by vLLM.
+    assert aot.kv_bytes_per_token_vllm(ModelConfig.preset("e2b"), "bf16") == 18 * KiB
+    assert aot.kv_bytes_per_token_vllm(ModelConfig.preset("12b"), "bf16") == 336 * KiB
+    assert aot.kv_bytes_per_token_vllm(ModelConfig.preset("12b"), "fp8_e5m2") == 168 * KiB
+
+
+def test_plan_kv_e2b_hand_computed():
+    cfg = ModelConfig.preset("e2b")
+    # E2B caches layers 0-14: 12 sliding (K=1, H=256) and 3 full (K=1, H=512); page 32 tokens, K and V, bf16.
+    sliding_page, full_page = 12 * 2 * 32 * 256 * 2, 3 * 2 * 32 * 512 * 2
+    sliding_pps = math.ceil((512 + 512) / 32) + 1     # window 512 + chunk 512, one page for the boundary
+    full_pps = 8192 // 32 + 1
+    per_seq = sliding_pps * sliding_page + full_pps * full_page
+    null = sliding_page + full_page
+    budget = null + int(2.5 * per_seq)
+    plan = aot.plan_kv(cfg, budget, max_model_len=8192, chunk=512, page_size=32, kv_dtype="bf16")
+    assert plan.groups == ("sliding", "full")
+    assert plan.page_bytes == (sliding_page, full_page)
+    assert plan.num_pages == (1 + math.floor(2.5 * sliding_pps), 1 + math.floor(2.5 * full_pps))
+    held = min((plan.num_pages[0] - 1) / sliding_pps, (plan.num_pages[1] - 1) / full_pps)
+    assert plan.tokens == int(held * 8192) and 2.4 < held <= 2.5
+    assert plan.cache_bytes <= budget
+    assert plan.minimum_bytes == null + per_seq
+    ours = aot.kv_bytes_per_token_ours(cfg, 8192, 512, 32, "bf16")
+    assert ours == pytest.approx(per_seq / 8192)
+    assert ours < 0.5 * 18 * KiB  # windowed sliding layers: well under half of vLLM-TPU's 18 KiB
+
+
+def test_plan_kv_more_tokens_than_vllm_style_in_same_bytes():
+    for name in ("e2b", "12b", "31b"):
+        cfg = ModelConfig.preset(name)
+        plan = aot.plan_kv(cfg, 4 * GiB, max_model_len=8192, chunk=512, page_size=32, kv_dtype="bf16")
+        vllm = plan.cache_bytes // aot.kv_bytes_per_token_vllm(cfg, "bf16")
+        assert plan.tokens > 2 * vllm, (name, plan.tokens, vllm)
+
+
+def test_decode_bytes_read_tiny_hand_computed():
+    cfg = tiny_cfg()
+    w = aot.abstract_model_weights(cfg, "none")
+    shapes = cfg.param_shapes()
+    total = 2 * sum(math.prod(s) for n, s in shapes.items() if not gemma.is_norm(n)) + 4 * sum(
+        math.prod(s) for n, s in shapes.items() if gemma.is_norm(n))  # bf16 weights, float32 norms
+    _, D = shapes["embed_tokens.weight"]
+    ple_rows, ple_cols = shapes["embed_tokens_per_layer.weight"]
+    for batch in (1, 16):
+        weights, kv = aot.decode_bytes_read(cfg, w, batch, 100, "bf16")
+        # the PLE table is gathered (batch rows), the embedding is read whole as the LM head plus batch rows
+        assert weights == total - 2 * ple_rows * ple_cols + batch * 2 * ple_cols + batch * 2 * D
+    # every layer reads K and V of its source: sliding min(100, 64) tokens of H=256, full 100 tokens of H=512
+    _, kv = aot.decode_bytes_read(cfg, w, 1, 100, "bf16")
+    assert kv == 2 * (64 * 2 * 256 * 2) + 2 * (100 * 2 * 512 * 2)
+    p = aot.project(cfg, w, aot.CHIPS["v6e"], 100, "bf16")
+    w1, _ = aot.decode_bytes_read(cfg, w, 1, 100, "bf16")
+    w16, _ = aot.decode_bytes_read(cfg, w, 16, 100, "bf16")
+    assert p.tok_s_1 == pytest.approx(1640e9 / (w1 + kv))
+    assert p.tok_s_16 == pytest.approx(16 * 1640e9 / (w16 + 16 * kv))
+
+
+def test_moe_projection_counts_only_hit_experts():
+    cfg = ModelConfig.preset("26b-a4b")
+    w = aot.abstract_model_weights(cfg, "w4a16")
+    experts = aot.weight_breakdown(w)["experts"]
+    w1, _ = aot.decode_bytes_read(cfg, w, 1, 512, "bf16")
+    w16, _ = aot.decode_bytes_read(cfg, w, 16, 512, "bf16")
+    E, k = 128, 8
+    embed_row = aot.tree_bytes(w.embed) / w.embed.shape[0]
+    assert w16 - w1 == pytest.approx(experts * ((1 - (1 - k / E) ** 16) - k / E) + 15 * embed_row)
+
+
+# --------------------------------------------------------------------------------------------- abstract weights
+
+@pytest.mark.parametrize("quant", ["none", "w8a8", "w4a16+emb4", "w8a8+emb8"])
+def test_abstract_weights_match_real_quantization(quant):
+    """The abstract tree (what AOT compiles) has the leaves, shapes, dtypes and QuantArray metadata that the
+    loaders' quantizer (gemmajax.quant.loading) gives real weights."""
+    from gemmajax.quant.loading import make_quantizer
+
+    cfg = tiny_cfg(vocab=300)  # 300 rows, D 256: tables pad columns
+    shapes = cfg.param_shapes()
+    rng = np.random.default_rng(0)
+
+    def get(name):
+        return jnp.asarray(rng.standard_normal(shapes[name]).astype(np.float32) * 0.02, jnp.bfloat16)
+
+    real = gemma.build_weights(cfg, get, quantize=make_quantizer(quant))
+    abstract = aot.abstract_model_weights(cfg, quant)
+    # same tree, QuantArray metadata (kind, logical shape, group) included
+    assert jax.tree.structure(abstract) == jax.tree.structure(real)
+    flat_a = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    flat_r = jax.tree.leaves(real)
+    for (path, a), r in zip(flat_a, flat_r):
+        name = jax.tree_util.keystr(path)
+        assert a.shape == r.shape, name
+        # norms are float32 in the abstract tree (the loaders store them so); the rest has the real dtype
+        assert jnp.dtype(a.dtype) == (jnp.float32 if "norm" in name else jnp.dtype(r.dtype)), name
+    if quant != "none":
+        assert aot.tree_bytes(abstract) < aot.tree_bytes(aot.abstract_model_weights(cfg, "none"))
+
+
+def test_weight_bytes_match_anchor_builds():
+    # anchors.md 2.4: 12B W8A8 with bf16 tables 12.03 GiB, 12B W4A16 repack 7.59 GiB.
+    cfg = ModelConfig.preset("12b")
+    assert aot.tree_bytes(aot.abstract_model_weights(cfg, "w8a8")) / GiB == pytest.approx(12.03, abs=0.05)
+    assert aot.tree_bytes(aot.abstract_model_weights(cfg, "w4a16")) / GiB == pytest.approx(7.59, abs=0.05)
+
+
+# --------------------------------------------------------------------------------------------- the compiler
+
+@needs_libtpu
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_chip_limits_are_the_compilers(chip):
+    """CHIPS' hbm_limit is what the TPU compiler enforces: a 40 GiB argument fails, naming that limit."""
+    target = aot.Target.create(chip)
+    big = jax.ShapeDtypeStruct((40 << 10, 1 << 20), jnp.int8, sharding=target.sharding)
+    with pytest.raises(Exception) as e:
+        jax.jit(lambda a: a[:8, :128].astype(jnp.float32)).lower(big).compile()
+    need = aot.parse_oom(str(e.value))
+    assert need is not None, str(e.value)[:300]
+    assert need[0] >= 40 * GiB
+    assert abs(need[1] - aot.CHIPS[chip].hbm_limit) < 0.01 * GiB
+
+
+def test_parse_oom_units():
+    msg = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+           "HLO temporaries (18.00G) exceeds available HBM (15.75G). HLO module: jit_step.")
+    assert aot.parse_oom(msg) == (int(18 * GiB), int(15.75 * GiB))
+    assert aot.parse_oom("INTERNAL: something else") is None
+
+
+def test_31b_bf16_does_not_fit_v5e_without_compiling():
+    out = io.StringIO()
+    rc = aot.run(args(model="31b", chip="v5e", quant="none"), out=out)
+    text = out.getvalue()
+    assert rc == aot.EXIT_DOES_NOT_FIT
+    assert "DOES NOT FIT" in text and "decided without compiling" in text and "57.18 GiB" in text
+
+
+def test_run_takes_a_model_config():
+    # a tiny model whose one 2**20-token sequence needs 2 GiB of KV, on a chip asked to keep 15 GiB free
+    out = io.StringIO()
+    a = args(max_model_len=1 << 20, max_num_seqs=1, margin_mib=15 * 1024)
+    rc = aot.run(a, cfg=tiny_cfg().replace(max_position_embeddings=1 << 20), out=out)
+    assert rc == aot.EXIT_DOES_NOT_FIT and "tiny" in out.getvalue() and "decided without compiling" in out.getvalue()
+
+
+def test_cli_aot_routes_to_run():
+    from gemmajax.server import cli
+
+    assert cli.main(["aot", "--model", "31b", "--chip", "v5e"]) == aot.EXIT_DOES_NOT_FIT
+
+
+def test_bad_topology_is_unsupported():
+    assert aot.run(args(model="31b", chip="v6e", quant="w4a16", topology="2x2")) == aot.EXIT_UNSUPPORTED
+
+
+@needs_libtpu
+def test_tiny_model_fits_v5e_with_pallas_and_proof_compile():
+    """The whole path on a tiny model: probe compiles of decode and prefill, the KV budget, the proof compile."""
+    req = aot.request_from_args(args(quant="w8a8+emb4", max_model_len=1024, max_num_seqs=8,
+                                     max_num_batched_tokens=64), cfg=tiny_cfg())
+    res = aot.analyze(req)
+    text = aot.format_report(res)
+    r = json.loads(json.dumps(res.to_json()))
+    assert r["fits"] and r["exit_code"] == 0 and text.splitlines()[-1].startswith("FITS")
+    for line in text.splitlines():  # every tok/s figure is labelled a projection
+        if "tok/s" in line:
+            assert line.count("(projection)") == line.count("tok/s"), line
+    assert r["attn_impl"] == "pallas"
+    assert [c["step"] for c in r["compiles"]] == ["decode", "prefill"]
+    # the TPU kernels are in the program: one attention call per layer (4), the int8 matmuls of every projection
+    assert all(c["pallas_calls"] > 4 + 4 * 5 for c in r["compiles"])
+    proof = r["proof"]
+    peak = (proof["argument_bytes"] + proof["output_bytes"] - proof["alias_bytes"] + proof["temp_bytes"]
+            + proof["code_bytes"])
+    limit = aot.CHIPS["v5e"].hbm_limit
+    assert limit - r["margin_bytes"] - 64 * (1 << 20) < peak <= limit  # the cache fills the chip, and compiled
+    assert proof["kv_bytes"] == r["kv_cache_bytes"] > 14 * GiB
+    # the windowed sliding layer: a 1024-token sequence holds 5 sliding pages (window 64 + chunk 64, + 1) of
+    # 32 x 1 KiB and 33 full pages of 32 x 2 KiB, against vLLM-style 1 KiB + 2 KiB for every token
+    ours = (5 * 32 * 1024 + 33 * 32 * 2048) / 1024
+    assert r["kv_bytes_per_token_ours"] == pytest.approx(ours) and r["kv_bytes_per_token_vllm"] == 3072
+    assert r["kv_tokens"] / r["kv_tokens_vllm_style"] == pytest.approx(3072 / ours, rel=0.01)
+    assert r["projection"]["tok_s_16"] > r["projection"]["tok_s_1"]
+
+
+@needs_libtpu
+def test_fast_mode_lets_the_compiler_overrule_a_bad_guess():
+    """The fit table's fast mode: a guess that leaves no room must not decide; the compiler does, with the
+    smallest cache, and the cache is then resized to the overhead the compile measured."""
+    req = aot.AotRequest(cfg=tiny_cfg(), chip="v5e", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64,
+                         probe=False, steps=("prefill",), overhead_guess=20 * GiB)
+    r = aot.analyze(req)
+    assert r.fits, r.reason
+    assert len(r.compiles) == 1 and r.compiles[0] is r.proof and r.proof.ok
+    assert r.kv_cache_bytes > 14 * GiB and r.proof.peak_bytes <= aot.CHIPS["v5e"].hbm_limit
+
+
+@needs_libtpu
+def test_compiler_decides_does_not_fit():
+    """Weights pass the cheap check, but the step's logits ([S, V] float32, 16 GiB) exceed the chip."""
+    cfg = tiny_cfg(vocab=1 << 23)
+    req = aot.AotRequest(cfg=cfg, chip="v5e", max_model_len=256, max_num_seqs=512, max_num_batched_tokens=512,
+                         steps=("decode",))
+    r = aot.analyze(req)
+    assert not r.fits
+    assert "does not compile" in r.reason and "exceeds available HBM" in r.reason
+    assert r.compiles and r.compiles[0].oom is not None
+
+
+# --------------------------------------------------------------------------------------------- full size (slow)
+
+@pytest.mark.slow
+@needs_libtpu
+def test_e2b_w8a8_fits_v5e():
+    out = io.StringIO()
+    rc = aot.run(args(model="e2b", quant="w8a8", max_model_len=2048, max_num_seqs=16, json=True), out=out)
+    r = json.loads(out.getvalue())
+    assert rc == 0 and r["fits"] and r["kv_tokens"] > r["kv_tokens_vllm_style"]
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_12b_w8a8_emb4_fits_v5e():
+    # anchors.md: vLLM-TPU serves 12B W8A8 + int4 embeddings (11.31 GiB) on one v5e with 9,728 KV tokens.
+    out = io.StringIO()
+    rc = aot.run(args(model="12b", quant="w8a8+emb4", max_model_len=8192, max_num_seqs=16, json=True), out=out)
+    r = json.loads(out.getvalue())
+    assert rc == 0 and r["fits"]
+    assert r["kv_tokens"] > 9728
