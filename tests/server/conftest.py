@@ -12,31 +12,9 @@ import openai
 import pytest
 import uvicorn
 
+from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.server.app import build_app
 from tests.server.fake_engine import FakeEngineClient
-
-try:
-    from gemmajax.engine.sampling_params import SamplingParams
-except ImportError:  # the engine is written in parallel; the server only needs a class with these fields
-    import dataclasses
-
-    @dataclasses.dataclass
-    class SamplingParams:  # type: ignore[no-redef]
-        max_tokens: int = 64
-        temperature: float = 0.0
-        top_p: float = 1.0
-        top_k: int = 0
-        min_p: float = 0.0
-        seed: int | None = None
-        stop: list[str] | None = None
-        stop_token_ids: list[int] | None = None
-        ignore_eos: bool = False
-        presence_penalty: float = 0.0
-        frequency_penalty: float = 0.0
-        repetition_penalty: float = 1.0
-        logprobs: int | None = None
-        skip_special_tokens: bool = True
-        grammar: str | None = None
 
 
 @contextlib.contextmanager
