@@ -135,7 +135,7 @@ class AsyncEngineClient:
                         self._deliver(rid, e)
                 else:
                     eng.abort_request(payload)
-            if not eng.scheduler.has_unfinished() and not eng._reqs:
+            if not eng.has_unfinished() and not eng._reqs:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue

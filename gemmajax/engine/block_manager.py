@@ -173,13 +173,14 @@ class BlockManager:
             seq.num_hashed_pages = [0] * n
             seq.num_released_pages = [0] * n
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int, ahead: int = 0) -> bool:
         """Give `seq` pages for positions [0, seq.num_computed_tokens + num_tokens) in every group (a sliding
         group: from the first position the step's queries can see). All or nothing: returns False, changing
-        nothing, when any group lacks free pages."""
+        nothing, when any group lacks free pages. `ahead`: how many tokens not yet known (sampled by a step still
+        on the device) the positions may run past the sequence's end (the scheduler's lookahead)."""
         self._init_seq(seq)
         end = seq.num_computed_tokens + num_tokens
-        if num_tokens < 0 or end > seq.num_tokens:
+        if num_tokens < 0 or end > seq.num_tokens + ahead:
             raise ValueError(f"allocate({seq!r}, {num_tokens}): positions up to {end} requested, the sequence "
                              f"has {seq.num_tokens} tokens")
         wanted = []

@@ -6,6 +6,7 @@ Stop strings are checked here, on the detokenized text, so a request stops (and 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -60,7 +61,26 @@ class EngineConfig:
     attn_impl: str = "auto"
     seed: int = 0
     token_buckets: tuple[int, ...] | None = None   # step token counts compiled for (default: powers of 2)
+    async_scheduling: bool = True                  # dispatch decode step N+1 before reading step N's tokens
     seq_buckets: tuple[int, ...] | None = None     # step sequence counts compiled for (default: powers of 2)
+
+
+@dataclass
+class _Pending:
+    """A step on the device: what was scheduled and where its result (tokens or logits) will be."""
+
+    scheduled: list                 # ScheduledSeq entries, in row order
+    samples: list[bool]             # per entry: the step samples its next token
+    rows: list[int]                 # entries that sample
+    s_pad: int
+    greedy: bool                    # result: tokens [s_pad] (argmax in the step) | logits [s_pad, V]
+    result: Any
+
+
+@jax.jit
+def _take(tokens: jax.Array, src: np.ndarray) -> jax.Array:
+    """A lookahead step's input token ids, gathered on device from the previous step's sampled tokens."""
+    return tokens[src]
 
 
 @dataclass
@@ -106,7 +126,9 @@ class LLMEngine:
         self.s_buckets = config.seq_buckets or pow2_buckets(1, config.max_num_seqs)
         self._reqs: dict[str, _ReqState] = {}
         self._seed_counter = itertools.count(config.seed * 1000003)
-        self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+        self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
+                               "lookahead_steps": 0}
+        self._inflight: _Pending | None = None   # a dispatched lookahead step whose tokens are not read yet
 
     def kv_summary(self) -> str:
         """KV bytes per token and per sequence, and pages per group (sliding layers windowed, shared layers free)."""
@@ -156,7 +178,8 @@ class LLMEngine:
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or any(st.seq.is_finished for st in self._reqs.values())
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or any(st.seq.is_finished for st in self._reqs.values()))
 
     def stats(self) -> dict:
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
@@ -164,50 +187,97 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        """Run one step and return what it produced. With `async_scheduling`, a plain-greedy decode step is
+        dispatched before the previous one's tokens are read (its token ids are the previous step's device
+        result), so the host's scheduling, input building and dispatch overlap the device's work; outputs are
+        then returned one call after their step was dispatched, in the call that waits for them."""
+        try:
+            return self._step()
+        except BaseException:
+            self._inflight = None   # its results are lost with the failed step; the caller aborts the requests
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        sched = self.scheduler.schedule()
-        self.stats_counters["preemptions"] = self.scheduler.num_preemptions
-        for seq in sched.finished:
-            outputs.append(self._finish_output(seq))
-        if not sched.scheduled:
-            outputs += self._flush_finished()
-            return outputs
+        pending = self._inflight
+        self._inflight = None
+        if pending is None:
+            sched = self.scheduler.schedule()
+            self.stats_counters["preemptions"] = self.scheduler.num_preemptions
+            for seq in sched.finished:
+                outputs.append(self._finish_output(seq))
+            if not sched.scheduled:
+                return outputs + self._flush_finished()
+            pending = self._dispatch(sched.scheduled)
+        if self.config.async_scheduling and pending.greedy and all(pending.samples):
+            ahead = self.scheduler.schedule_lookahead(pending.scheduled)
+            if ahead is not None:
+                self._inflight = self._dispatch(ahead, prev=pending)
+                self.stats_counters["lookahead_steps"] += 1
+        return outputs + self._complete(pending)
+
+    def _dispatch(self, scheduled: list, prev: _Pending | None = None) -> _Pending:
+        """Build the step's inputs and start it on the device (nothing here waits for the device).
+
+        prev: the step still running whose sampled tokens are this step's input tokens (a lookahead step: one
+        decode token per sequence, each sequence in prev's batch)."""
         entries = []
-        for seq, n in sched.scheduled:
+        for seq, n in scheduled:
             c = seq.num_computed_tokens
-            entries.append((seq.token_ids[c:c + n], c, n, [list(pt) for pt in seq.page_tables]))
-        T = sum(n for _, n in sched.scheduled)
-        S = len(sched.scheduled)
+            if prev is None:
+                entries.append((seq.token_ids[c:c + n], c, n, [list(pt) for pt in seq.page_tables]))
+            else:  # position seq.num_tokens: the token prev is sampling
+                entries.append(([0], seq.num_tokens, 1, [list(pt) for pt in seq.page_tables]))
+        T = sum(n for _, n in scheduled)
+        S = len(scheduled)
         s_pad = bucket(S, self.s_buckets)
         # an all-decode step is padded to its sequence bucket (one token each), a mixed one to a token bucket
         t_pad = s_pad if T == S else max(bucket(T, self.t_buckets), s_pad)
         inp = build_step_inputs(self.spec, entries, t_pad, s_pad)
-        rows = [i for i, s in enumerate(sched.scheduled) if s.samples]
-        seqs = [sched.scheduled[i].seq for i in rows]
+        if prev is not None:
+            row = {s.seq.seq_id: i for i, s in enumerate(prev.scheduled)}
+            src = np.zeros(t_pad, np.int32)
+            src[:S] = [row[s.seq.seq_id] for s in scheduled]
+            inp = dataclasses.replace(inp, token_ids=_take(prev.result, src))
+        samples = [s.samples if prev is None else True for s in scheduled]
+        rows = [i for i, ok in enumerate(samples) if ok]
+        seqs = [scheduled[i].seq for i in rows]
+        greedy = prev is not None or plain_greedy(
+            seqs, [self._reqs[s.request_id].constraint for s in seqs], self.eos_token_ids)
+        if greedy:
+            # argmax inside the step: no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
+            result = self.runner.forward_greedy(inp)
+        else:
+            result = self.runner.forward(inp)
+        return _Pending(list(scheduled), samples, rows, s_pad, greedy, result)
+
+    def _complete(self, p: _Pending) -> list[RequestOutput]:
+        """Wait for a dispatched step's tokens, then update the scheduler and emit the outputs."""
+        outputs: list[RequestOutput] = []
+        sched = p.scheduled
         sampled: dict[int, int | None] = {}
         lp_rows: dict[int, dict] = {}
-        if plain_greedy(seqs, [self._reqs[s.request_id].constraint for s in seqs], self.eos_token_ids):
-            # argmax inside the step: no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
-            toks_all = np.asarray(self.runner.forward_greedy(inp))
-            skip_rows(s_pad)
-            for r in rows:
-                sampled[sched.scheduled[r].seq.seq_id] = int(toks_all[r])
+        if p.greedy:
+            toks_all = np.asarray(p.result)
+            skip_rows(p.s_pad)
+            for r in p.rows:
+                sampled[sched[r].seq.seq_id] = int(toks_all[r])
         else:
-            logits = self.runner.forward(inp)
-            toks, lps = self._sample(logits, seqs, rows)
-            for i, r in enumerate(rows):
-                seq = sched.scheduled[r].seq
+            seqs = [sched[r].seq for r in p.rows]
+            toks, lps = self._sample(p.result, seqs, p.rows)
+            for i, r in enumerate(p.rows):
+                seq = sched[r].seq
                 sampled[seq.seq_id] = int(toks[i])
                 if lps is not None:
                     lp_rows[seq.seq_id] = lps[i]
         self.scheduler.update_after_step(sched, sampled)
         self.stats_counters["steps"] += 1
-        for seq, _ in sched.scheduled:
+        for seq, _ in sched:
             if seq.seq_id not in sampled:
                 continue
             st = self._reqs.get(seq.request_id)
-            if st is None:
-                continue
+            if st is None or st.seq is not seq or len(seq.output_token_ids) <= st.sent_tokens:
+                continue  # gone, or finished before this (lookahead) step's token was appended
             tok = sampled[seq.seq_id]
             self.stats_counters["generation_tokens"] += 1
             if st.constraint is not None and not st.constraint.is_done():

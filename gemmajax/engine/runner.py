@@ -9,6 +9,8 @@ Design choices:
 - KV-shared layers write no cache, so only the tokens whose logits are needed (the last of each sequence) go
   through them ("shared band"); for E2B that skips 20 of 35 layers for every other prompt token.
 - KV page arrays are donated to the step, so their update happens in place.
+- A batch whose every row is plain greedy runs `model_step_greedy`: the sampler's argmax inside the step, so the
+  [S, V] logits never leave it (no float32 copy, no log-sum-exp, no second dispatch).
 """
 from __future__ import annotations
 

@@ -272,6 +272,33 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, finished=finished)
 
+    def schedule_lookahead(self, prev: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """The next step's work while step `prev` is still on the device, or None when it cannot be known yet.
+
+        Known only in the steady decode state: every entry of `prev` samples a token, every running sequence is
+        in `prev`, and no waiting request could be admitted. Then each sequence of `prev` that will not reach
+        max_tokens / max_model_len with that token decodes it next: (seq, 1) at position seq.num_tokens, its
+        page allocated ahead. The token itself is the device result of `prev` (the engine feeds it on device);
+        a sequence that stops on that token is skipped by update_after_step, its result discarded. Allocation
+        never preempts: out of pages, this returns None (keeping what it allocated, which the next step needs
+        anyway) and the engine schedules normally once `prev` is done."""
+        cfg, bm = self.config, self.block_manager
+        if not prev or self._finished_outside_step or (self.waiting and len(self.running) < cfg.max_num_seqs):
+            return None
+        ids = {s.seq.seq_id for s in prev}
+        if any(not s.samples for s in prev) or any(seq.seq_id not in ids for seq in self.running):
+            return None
+        out: list[ScheduledSeq] = []
+        for seq, _ in prev:
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= cfg.max_model_len:
+                continue  # stops by length on prev's token
+            if not bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens, ahead=1):
+                return None
+            out.append(ScheduledSeq(seq, 1))
+        return out or None
+
     def update_after_step(self, scheduled: SchedulerOutput | list[ScheduledSeq] | list[tuple[Sequence, int]],
                           sampled_token_ids: dict[int, int | None]) -> list[Sequence]:
         """Record a finished step: advance num_computed_tokens, append the sampled token of every sequence

@@ -12,7 +12,7 @@ import pytest
 
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.sampling_params import SamplingParams
-from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
+from gemmajax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gemmajax.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 50
@@ -299,3 +299,62 @@ def test_update_requires_sampled_token():
     out = sched.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
         sched.update_after_step(out, {})
+
+
+def run_with_lookahead(sched, model, max_steps=5000):
+    """The engine's async loop: while step N is 'on the device', schedule_lookahead plans N+1 (pages allocated
+    before N's token is known); N+1 then runs after N's update, as the device runs them in order. Entries of
+    sequences that finished on N's token are computed and discarded (skipped here)."""
+    pending, steps, ahead_steps = None, 0, 0
+    while pending is not None or sched.has_unfinished():
+        cur = pending if pending is not None else sched.schedule().scheduled
+        pending = sched.schedule_lookahead(cur)
+        ahead_steps += pending is not None
+        live = [s for s in cur if s.seq.status == SequenceStatus.RUNNING]
+        sched.update_after_step(cur, model.step(SchedulerOutput(live, [], [])))
+        assert_refcounts(sched.block_manager, sched.running + list(sched.waiting))
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return ahead_steps
+
+
+@pytest.mark.parametrize("pages", [(1000, 1000), (19, 13)])
+def test_lookahead_changes_nothing(pages):
+    reference, _ = run_workload(1000, 1000)
+    sched, bm = make(*pages)
+    seqs = [Sequence(rid, p, sp) for rid, p, sp in workload(0)]
+    for s in seqs:
+        sched.add(s)
+    assert run_with_lookahead(sched, FakeModel(bm)) > 10
+    assert {s.request_id: s.output_token_ids for s in seqs} == reference
+    if pages == (19, 13):
+        assert sched.num_preemptions > 0
+    for g in range(2):
+        assert bm.num_free_pages(g) == bm.num_usable_pages(g)
+
+
+def test_lookahead_only_in_the_steady_decode_state():
+    sched, bm = make(1000, 1000, max_num_seqs=2)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=1, ignore_eos=True))
+    c = Sequence("c", [9] * 40, SamplingParams(max_tokens=5, ignore_eos=True))
+    for s in (a, b):
+        sched.add(s)
+    out = sched.schedule()
+    # b stops by length on this step's token: only a goes ahead, at position 3, its page for it allocated
+    ahead = sched.schedule_lookahead(out.scheduled)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in ahead] == [("a", 1)]
+    assert len(a.page_tables[0]) == 1 and a.num_computed_tokens == 0   # positions 0..3 fit one page of 4
+    sched.update_after_step(out, {a.seq_id: 11, b.seq_id: 12})
+    assert b.finish_reason == "length"
+    sched.update_after_step(ahead, {a.seq_id: 13})
+    assert a.output_token_ids == [11, 13] and a.num_computed_tokens == 4
+    # a waiting request with room to be admitted, or a partial prefill not in the batch: nothing ahead
+    sched.add(c)
+    out = sched.schedule()                  # a decodes, c's first 31-token chunk
+    assert sched.schedule_lookahead(out.scheduled) is None   # c's chunk samples nothing
+    sched.update_after_step(out, {a.seq_id: 14})
+    assert a.finish_reason == "length"
+    sched.add(Sequence("d", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True)))
+    out = sched.schedule()                  # c's last 9 tokens; d admitted
+    assert sched.schedule_lookahead([s for s in out.scheduled if s.seq is c]) is None  # d is running, not in it
