@@ -28,8 +28,8 @@ from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu
 
 # per model: hidden D, query heads N, KV heads K, head dim H, MLP F, vocab V, sliding window
 MODELS = {
-    "gemma3-270m": dict(D=640, N=4, K=1, H=256, F=2048, V=262144, window=512),
-    "e2b": dict(D=1536, N=8, K=1, H=256, F=6144, V=262144, window=512),
+    "gemma3-270m": {"D": 640, "N": 4, "K": 1, "H": 256, "F": 2048, "V": 262144, "window": 512},
+    "e2b": {"D": 1536, "N": 8, "K": 1, "H": 256, "F": 6144, "V": 262144, "window": 512},
 }
 
 
@@ -167,7 +167,7 @@ def bench_attention(model: dict, reps: int, bw: float, page_size: int = 32) -> N
 
         state = {"pages": pages}
 
-        def call():
+        def call(state=state, q=q, kn=kn, meta=meta, step=step):
             out, state["pages"] = step(q, kn, kn, state["pages"], meta)
             return out
 

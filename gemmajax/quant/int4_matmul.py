@@ -27,9 +27,24 @@ and rows / dense at 1536 x 6144 for M = 32, 64, 128: 64 / 58, 115 / 74, 221 / 96
 per row, `dot(x_lo, W_lo.T) + dot(x_hi, W_hi.T)` with unpack, scale and bf16 rounding fused into each dot (the two
 dots kept apart by an optimization barrier, else XLA fuses the add into the second one and materializes its
 weight); "shared" dequantizes once to float32 and runs the rows on that copy; "dense" runs one GEMM per 8,192-row
-float32 chunk. "auto": rows for one row, or up to 24 rows of a weight of 2 MiB packed or more; else dense. The
-bf16 rounding of each weight (exactness) costs about 1.6x in the one-row form; int4 on the CPU is a memory format,
-w8a8 is the fast one.
+float32 chunk. The bf16 rounding of each weight (exactness) costs about 1.6x in the one-row form; int4 on the CPU
+is a memory format, w8a8 is the fast one.
+
+Since then, "bf16": a loop over 4,096-row chunks, each dequantized to bf16 (exact) for a native bf16 x bf16 -> f32
+GEMM (YNNPACK), so no float32 copy and a chunk still in cache. Measured by bench/kernels.py's method (2 shared
+cores, load 5.5-6.5, ms, min of 5 round-robin calls; rows in parentheses extrapolated from M = 4):
+
+| in x out     | M  | "rows"    | "dense" | "bf16"    |
+|--------------|----|-----------|---------|-----------|
+| 640 x 2048   | 4  | **0.88**  | 1.29    | 1.04      |
+| 640 x 2048   | 8  | 1.74      | **1.09**| 1.12      |
+| 640 x 2048   | 16 | 3.30      | 2.02    | **1.81**  |
+| 2048 x 640   | 16 | 2.94      | 1.78    | **1.26**  |
+| 640 x 262144 | 4  | **124**   | 316     | 262       |
+| 640 x 262144 | 8  | (~240)    | 361     | 276       |
+| 640 x 262144 | 16 | (~480)    | 377     | **276**   |
+
+"auto": rows up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16".
 """
 from __future__ import annotations
 
@@ -47,8 +62,9 @@ from gemmajax.quant.int8_matmul import materialize
 from gemmajax.quant.quantize import dequantize
 
 _ACT = jnp.bfloat16  # the "a16" of w4a16
-_ROW_LOOP_MAX_M = 24  # CPU: up to this many rows, M one-row fusions beat dequantize + GEMM (even at 32)
-_ROW_LOOP_MIN_BYTES = 2 << 20  # ... on weights this large; a smaller float32 copy stays in cache: GEMM wins
+_ROW_LOOP_MAX_M = 4  # CPU: up to this many rows, M one-row fusions beat dequantize-to-bf16 + GEMM ...
+_ROW_LOOP_MAX_M_BIG = 8  # ... and up to this many on weights of 2 MiB packed or more (measured crossovers)
+_ROW_LOOP_MIN_BYTES = 2 << 20
 
 
 def _check(x: jax.Array, w: QuantArray) -> None:
@@ -240,6 +256,34 @@ def _dense_weight(w: QuantArray) -> jax.Array:
 
 
 _DENSE_CHUNK = 8192  # rows of the weight dequantized at a time by the "dense" form (bounds its f32 copy)
+_BF16_CHUNK = 4096  # rows per bf16 chunk of the "bf16" form: 5 MiB at in 640, so a chunk is still in cache for its GEMM
+_NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
+
+
+def _bf16_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
+    """Packed rows uint8 [n, in_p / 2] and their scales -> bf16 [n, in_p] (exact: every int4 weight is a bf16 number)."""
+    g2 = s.shape[-1] // 2
+    return jnp.concatenate([_half_weight(v & 15, s[:, :g2], group),
+                            _half_weight(v >> 4, s[:, g2:], group)], axis=1).astype(_ACT)
+
+
+def _bf16_chunks(xb: jax.Array, w: QuantArray) -> jax.Array:
+    """xb bf16 [M, in_p] -> f32 [M, N]: chunks of rows dequantized to bf16 and multiplied by a native bf16 x bf16 ->
+    f32 GEMM (XLA:CPU hands it to YNNPACK): the reference's products exactly, summed in another order. A loop over
+    row chunks keeps each bf16 chunk in cache (unrolled chunks were fused into one whole-table copy)."""
+    n = w.padded_out
+    if n <= _BF16_CHUNK or n % _BF16_CHUNK:
+        return lax.dot_general(xb, _bf16_weight(w.values, w.scale, w.group), _NT, preferred_element_type=jnp.float32)
+    c = n // _BF16_CHUNK
+
+    def chunk(i, yt):
+        v = lax.dynamic_slice_in_dim(w.values, i * _BF16_CHUNK, _BF16_CHUNK, 0)
+        sc = lax.dynamic_slice_in_dim(w.scale, i * _BF16_CHUNK, _BF16_CHUNK, 0)
+        part = lax.dot_general(_bf16_weight(v, sc, w.group), xb, _NT, preferred_element_type=jnp.float32)  # [C, M]
+        return lax.dynamic_update_slice_in_dim(yt, part, i * _BF16_CHUNK, 0)
+
+    yt = lax.fori_loop(0, c, chunk, jnp.zeros((n, xb.shape[0]), jnp.float32))
+    return yt.T
 
 
 def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
@@ -247,14 +291,19 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
       "rows"   one fused matrix-vector pass per row of x, reading the packed weight (no copy of it);
       "shared" one float32 copy of the weight, then a matrix-vector pass per row;
       "dense"  float32 copies of 8,192-row chunks of the weight, one GEMM each;
-      "auto"   "rows" for one row, or up to 24 rows of a weight of 2 MiB packed or more; else "dense"
+      "bf16"   bf16 copies of 4,096-row chunks (exact), one native bf16 GEMM (YNNPACK) each;
+      "auto"   "rows" up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16"
                (measured crossovers; module docstring).
     """
     _check(x, w)
-    x2 = materialize(_pad_x(x.reshape(-1, x.shape[-1]), w).astype(jnp.float32))
-    m = x2.shape[0]
+    xb = _pad_x(x.reshape(-1, x.shape[-1]), w)
+    m = xb.shape[0]
     if form == "auto":
-        form = "rows" if m == 1 or (m <= _ROW_LOOP_MAX_M and w.values.size >= _ROW_LOOP_MIN_BYTES) else "dense"
+        rows_max = _ROW_LOOP_MAX_M_BIG if w.values.size >= _ROW_LOOP_MIN_BYTES else _ROW_LOOP_MAX_M
+        form = "rows" if m <= rows_max else "bf16"
+    if form == "bf16":
+        return _finish(_bf16_chunks(xb, w), x, w)
+    x2 = materialize(xb.astype(jnp.float32))
     if form == "rows":
         y = jnp.concatenate([_one_row(x2[i:i + 1], w, separate=m > 1) for i in range(m)], axis=0)
     elif form == "shared":

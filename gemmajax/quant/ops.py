@@ -3,6 +3,8 @@
 Design choices: the model calls only `linear` and `take_rows`, with weights in Hugging Face's [out, in] layout;
 the kind of a QuantArray (static metadata) chooses w8a8 or w4a16, and `impl` chooses the implementation, by
 default at lowering time (Pallas for TPU, XLA elsewhere), so the same jitted model serves CPU, GPU and TPU AOT.
+Plain arrays with 16-bit activations are dispatched at lowering time too: on the CPU to the measured forms of
+`dense_matmul_cpu` (XLA:CPU otherwise copies every bf16 weight to float32 per call), elsewhere to the plain `jnp.dot`.
 """
 from __future__ import annotations
 
@@ -59,7 +61,10 @@ def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.A
     and multiplies each leading slice by its own matrix. impl: "auto" | "xla" | "pallas" | "pallas_interpret"
     (ignored for plain arrays).
     """
-    if not isinstance(w, QuantArray):  # decided at lowering time: deviceless TPU AOT keeps the plain dot
+    if not isinstance(w, QuantArray):
+        if jnp.dtype(x.dtype).itemsize != 2:  # float32 models: the plain dot is already XLA:CPU's fast form
+            return dense_matmul(x, w)
+        # 16-bit activations: decided at lowering time, so deviceless TPU AOT keeps the plain dot
         return lax.platform_dependent(x, w, cpu=dense_matmul_cpu, default=dense_matmul)
     if impl not in IMPLS:
         raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
