@@ -203,9 +203,12 @@ def build_step_inputs(spec: RunnerSpec, entries: list[tuple[list[int], int, int,
             tables[g][i, :len(pt)] = pt
     cu[n + 1:] = t
     num = np.array([n], np.int32)
-    metas = tuple(RaggedMeta(cu_q_lens=cu, kv_lens=kv_lens, page_indices=tab, num_seqs=num) for tab in tables)
-    cu1 = np.minimum(np.arange(s_pad + 1, dtype=np.int32), n)
-    shared = tuple(RaggedMeta(cu_q_lens=cu1, kv_lens=kv_lens, page_indices=tab, num_seqs=num) for tab in tables)
+    dec = t == n and t_pad == s_pad  # one token per sequence: the attention's decode-only form
+    metas = tuple(RaggedMeta(cu_q_lens=cu, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=dec)
+                  for tab in tables)
+    cu1 = np.minimum(np.arange(s_pad + 1, dtype=np.int32), n)  # KV-shared layers: each sequence's last token only
+    shared = tuple(RaggedMeta(cu_q_lens=cu1, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=True)
+                   for tab in tables)
     return StepInputs(token_ids=tok, positions=pos, logits_indices=last, metas=metas, shared_metas=shared)
 
 

@@ -45,6 +45,9 @@ class RaggedMeta:
     kv_lens: jax.Array  # int32 [S_max]; total KV length of each sequence AFTER this step (cached + new)
     page_indices: jax.Array  # int32 [S_max, P_max]; page ids by logical page (pos // page_size); unread: anything
     num_seqs: jax.Array  # int32 [1]; number of real sequences (<= S_max)
+    # Static: token i is the one query of sequence i (T_pad == S_max, q_len 1 for every real sequence). The
+    # reference then skips finding each token's sequence and the prefill machinery; the kernel ignores it.
+    decode_only: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 def make_ragged_meta(
@@ -199,9 +202,12 @@ def _ref_decode_rows(
     ppb = max(1, block_kv // ps)
     bkv = ppb * ps
 
-    q_len = meta.cu_q_lens[seq + 1] - meta.cu_q_lens[seq]
-    is_dec = valid & (q_len == 1)
-    rows = jnp.nonzero(is_dec, size=s_max, fill_value=t_pad)[0].astype(jnp.int32)  # [S]
+    if meta.decode_only:  # token i is sequence i's query
+        rows = jnp.where(valid, jnp.arange(s_max, dtype=jnp.int32), t_pad)
+    else:
+        q_len = meta.cu_q_lens[seq + 1] - meta.cu_q_lens[seq]
+        is_dec = valid & (q_len == 1)
+        rows = jnp.nonzero(is_dec, size=s_max, fill_value=t_pad)[0].astype(jnp.int32)  # [S]
     row_ok = rows < t_pad
     r = jnp.minimum(rows, t_pad - 1)
     r_seq, r_pos = seq[r], pos[r]  # [S]
@@ -333,10 +339,22 @@ def ragged_paged_attention_ref(
     # on XLA:CPU 128 halved the time of 16 short (88-token) rows against 256 and matched it at 1k (bench/kernels.py).
     block_q, dec_block_kv, block_kv = block_q or 64, block_kv or 128, block_kv or 256
     dt = page_dtype(kv_pages, kv_dtype)
+    if meta.decode_only:
+        if t_pad != meta.kv_lens.shape[0]:
+            raise ValueError(f"a decode_only RaggedMeta needs one query per sequence slot: q has {t_pad} rows, "
+                             f"S_max is {meta.kv_lens.shape[0]}")
+        seq = jnp.arange(t_pad, dtype=jnp.int32)
+        valid = seq < meta.num_seqs[0]
+        pos = meta.kv_lens - 1
+        p_max = meta.page_indices.shape[1]
+        slots = jnp.where(valid, meta.page_indices[seq, jnp.clip(pos // ps, 0, p_max - 1)] * ps + pos % ps, -1)
+    else:
+        seq, pos, valid = _token_seq_and_pos(meta, t_pad)
+        slots = None
     if k_new is not None:
-        kv_pages = write_kv(
-            kv_pages, k_new, v_new, slot_mapping(meta, t_pad, ps), k_scale=k_scale, v_scale=v_scale, kv_dtype=dt
-        )
+        if slots is None:
+            slots = slot_mapping(meta, t_pad, ps)
+        kv_pages = write_kv(kv_pages, k_new, v_new, slots, k_scale=k_scale, v_scale=v_scale, kv_dtype=dt)
     kw = {
         "sm_scale": sm_scale,
         "sliding_window": sliding_window,
@@ -345,8 +363,9 @@ def ragged_paged_attention_ref(
         "v_scale": v_scale,
         "kv_dtype": dt,
     }
-    seq, pos, valid = _token_seq_and_pos(meta, t_pad)
     rows, dec = _ref_decode_rows(q, kv_pages, meta, seq, pos, valid, block_kv=dec_block_kv, **kw)
+    if meta.decode_only:  # row i is token i (padding rows come out zero)
+        return dec.astype(q.dtype), kv_pages
     out = jnp.zeros(q.shape, jnp.float32).at[rows].set(dec, mode="drop")
     # An all-decode step (the common one) skips the prefill machinery (its pads, prefix sums and copies) entirely.
     q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]

@@ -456,3 +456,27 @@ def test_kernel_interpret(seqs, dt, g, nk, h, ps, window, soft_cap, qdt, read_on
         ref_out, ref_pages = run(case, "ref", **kw)
         np.testing.assert_allclose(got[:t], np.asarray(ref_out)[:t], rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(pages), np.asarray(ref_pages))  # NaN where both are NaN
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+@pytest.mark.parametrize("dt, window, bits", [("f32", None, False), ("bf16", 17, True), ("e4m3", 24, True)])
+def test_ref_decode_only_form(dt, window, bits, read_only):
+    """A decode_only RaggedMeta (token i is sequence i's one query; the engine's all-decode steps and KV-shared
+    layers) gives what the naive oracle gives, writes the same slots, and zero rows for padding sequences."""
+    seqs = [(0, 1), (30, 1), (7, 1), (64, 1), (15, 1)]
+    ks, vs = (0.5, 2.0) if dt == "e4m3" else (1.0, 1.0)
+    case = make_case(seqs, n=4, nk=2, h=64, ps=16, dtype=DTYPES[dt], window=window, t_pad=7, s_max=7,
+                     k_scale=ks, v_scale=vs, garbage_out_of_window_ids=True, bits=bits, seed=3)
+    case = dataclasses.replace(case, meta=dataclasses.replace(case.meta, decode_only=True))
+    kw = {"kv_dtype": "fp8_e4m3"} if dt == "e4m3" else {}
+    out, pages = run(case, "ref", read_only=read_only, sliding_window=window, k_scale=ks, v_scale=vs, block_kv=32,
+                     **kw)
+    out = np.asarray(out.astype(jnp.float32))
+    want = naive_attention(case, window=window)
+    np.testing.assert_allclose(out[:5], want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(out[5:], 0.0)
+    if not read_only:
+        check_pages_written(case, pages, ks, vs)
+    with pytest.raises(ValueError, match="decode_only"):
+        bad = dataclasses.replace(case, q=case.q[:6], k_new=case.k_new[:6], v_new=case.v_new[:6])
+        run(bad, "ref", sliding_window=window, k_scale=ks, v_scale=vs)
