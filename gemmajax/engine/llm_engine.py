@@ -25,7 +25,7 @@ from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, b
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step, skip_rows
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
-from gemmajax.engine.sequence import Sequence
+from gemmajax.engine.sequence import Sequence, SequenceStatus
 from gemmajax.model import gemma
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,11 @@ class LLMEngine:
             if ahead is not None:
                 self._inflight = self._dispatch(ahead, prev=pending)
                 self.stats_counters["lookahead_steps"] += 1
-        return outputs + self._complete(pending)
+        outputs += self._complete(pending)
+        if self._inflight is not None and not any(s.seq.status == SequenceStatus.RUNNING
+                                                  for s in self._inflight.scheduled):
+            self._inflight = None   # every sequence in it stopped on pending's token: nothing to read
+        return outputs
 
     def _dispatch(self, scheduled: list, prev: _Pending | None = None) -> _Pending:
         """Build the step's inputs and start it on the device (nothing here waits for the device).

@@ -92,3 +92,15 @@ def test_hundreds_of_mixed_requests(llm, gemma4_tokenizer):
     assert len(plain) >= 20
     for i in plain:
         assert outs[i].token_ids == cache_free_greedy(llm.model, prompts[i], params[i].max_tokens), i
+
+
+def test_a_lookahead_step_whose_sequences_all_stopped_is_dropped(llm):
+    """Every request stops on its first token (each token id is a stop id), after the engine planned and dispatched
+    their next decode step: that step's result is discarded and the engine is idle, not waiting on it."""
+    eng = llm.engine
+    la0 = eng.stats_counters["lookahead_steps"]
+    p = SamplingParams(max_tokens=5, stop_token_ids=list(range(llm.config.vocab_size)))
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], p)
+    assert [len(o.token_ids) for o in outs] == [1, 1, 1] and {o.finish_reason for o in outs} == {"stop"}
+    assert eng.stats_counters["lookahead_steps"] > la0
+    assert not eng.has_unfinished() and eng._inflight is None

@@ -1,0 +1,98 @@
+"""Where a decode step's time goes on this machine, and how fast XLA:CPU's GEMM runs by number of rows.
+
+Design choices: each part is timed by removing it from the compiled step (the LM head replaced by a 128-column
+matmul, attention by the identity), in a fresh process per variant so every program compiles the same way; the
+step time is (t(49 tokens) - t(1 token)) / 48 of `LLM.generate`, best of 3. The GEMM sweep is a plain bf16
+`jnp.dot` with float32 accumulation at the LM head's K = 640.
+
+    .venv/bin/python bench/step_breakdown.py                 # bf16 and w8a8+emb8 at 1 and 16 streams (~6 min)
+    .venv/bin/python bench/step_breakdown.py --modes none --streams 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = ("full", "no-head", "no-attention", "no-head-no-attention")
+
+
+def child(mode: str, streams: int, variant: str) -> None:
+    import jax.numpy as jnp
+
+    import gemmajax
+    from gemmajax.engine import runner
+    from gemmajax.model import gemma
+    from gemmajax.model.gguf import default_model_path
+    if "no-head" in variant:
+        gemma.lm_head = lambda w, cfg, h: h @ jnp.ones((h.shape[-1], 128), h.dtype)
+    if "no-attention" in variant:
+        runner.ragged_paged_attention = lambda q, k, v, pages, meta, **kw: (q, pages)
+    path = default_model_path()
+    llm = gemmajax.LLM(path, quant=mode, dtype="bfloat16", kv_dtype="bf16", max_model_len=512,
+                       max_num_seqs=16, kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    tok = gemmajax.load_tokenizer(path)
+    prompts = [tok.encode(f"Once upon a time number {i} there was") for i in range(streams)]
+    p1 = gemmajax.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    pn = gemmajax.SamplingParams(max_tokens=49, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, pn)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        llm.generate(prompts, p1)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate(prompts, pn)
+        best = min(best, (time.perf_counter() - t - t1) / 48)
+    print(f"RESULT {best * 1e3:.2f}", flush=True)
+
+
+def gemm_sweep() -> list[str]:
+    import jax
+    import jax.numpy as jnp
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    out = []
+    for m, k, n in ((1, 640, 16384), (16, 640, 16384), (64, 640, 16384), (256, 640, 16384), (16, 640, 262144),
+                    (2048, 2048, 2048)):
+        a, b = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
+        f(a, b).block_until_ready()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            f(a, b).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        out.append(f"| {m} x {k} x {n} | {best * 1e3:.2f} | {2 * m * k * n / best / 1e9:.0f} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="none,w8a8+emb8", type=lambda s: s.split(","))
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.child[2])
+        return
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    print("| mode | streams | step ms | LM head ms | attention ms | rest ms |\n|---|---:|---:|---:|---:|---:|")
+    for mode in args.modes:
+        for s in args.streams:
+            t = {}
+            for v in VARIANTS:
+                p = subprocess.run([sys.executable, __file__, "--child", mode, str(s), v], capture_output=True,
+                                   text=True, env=env, check=False)
+                line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not line:
+                    raise SystemExit(f"{mode} {s} {v} failed: {p.stderr.strip().splitlines()[-3:]}")
+                t[v] = float(line[-1].split()[1])
+            print(f"| {mode} | {s} | {t['full']:.1f} | {t['full'] - t['no-head']:.1f} | "
+                  f"{t['full'] - t['no-attention']:.1f} | {t['no-head-no-attention']:.1f} |", flush=True)
+    print("\n| bf16 GEMM M x K x N | ms | GFLOP/s |\n|---|---:|---:|")
+    print("\n".join(gemm_sweep()))
+
+
+if __name__ == "__main__":
+    main()
