@@ -189,8 +189,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return what it produced. With `async_scheduling`, a plain-greedy decode step is
         dispatched before the previous one's tokens are read (its token ids are the previous step's device
-        result), so the host's scheduling, input building and dispatch overlap the device's work; outputs are
-        then returned one call after their step was dispatched, in the call that waits for them."""
+        result), so the host's scheduling, input building and dispatch overlap the device's work. A step's outputs
+        are returned by the call that waits for its tokens (the one that dispatched the step after it)."""
         try:
             return self._step()
         except BaseException:
