@@ -134,7 +134,7 @@ class EventStreamResponse(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnected = [False]
+        disconnected, complete = [False], False
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, disconnected)
@@ -142,6 +142,7 @@ class EventStreamResponse(Response):
                 try:
                     async for line in self.lines:
                         await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
+                    complete = True  # a client that closes once it has everything did not leave mid-stream
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:  # the client is gone (ASGI spec >= 2.4 reports it this way)
                     disconnected[0] = True
@@ -151,7 +152,7 @@ class EventStreamResponse(Response):
                 aclose = getattr(self.lines, "aclose", None)
                 if aclose is not None:
                     await aclose()
-            if disconnected[0]:
+            if disconnected[0] and not complete:
                 logger.info("client disconnected during a stream")
             if self.on_close is not None:
                 self.on_close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -249,3 +251,21 @@ def test_engine_rejections_are_400(base_url: str, client: openai.OpenAI, engine:
     assert not {rid for rid, _, _ in engine.calls[-2:]} & set(engine.aborted)  # finished: nothing to abort
     engine.healthy = False
     assert _error(httpx.get(f"{base_url}/health"), 503)["type"] == "server_error"
+
+
+def test_only_a_real_disconnect_is_logged_as_one(base_url: str, engine: FakeEngineClient, caplog) -> None:
+    """A client that reads a stream to [DONE] and closes did not leave mid-stream; one that hangs up early did."""
+    caplog.set_level(logging.INFO, logger="gemmajax.server.app")
+    engine.reply = "abc"
+    for _ in range(5):
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+    time.sleep(0.3)
+    assert "client disconnected" not in caplog.text
+    engine.reply, engine.token_delay = "x" * 150, 0.02
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
+        for line in r.iter_lines():
+            if '"content":"x"' in line:
+                break
+    wait_until(lambda: "client disconnected during a stream" in caplog.text, timeout=2, what="the log line")
