@@ -144,6 +144,31 @@ class LLMEngine:
                 f"{ours / 1024:.1f} KiB/token at {L} tokens ({ours * L / 2**20:.1f} MiB per full-length sequence) vs "
                 f"{flat / 1024:.1f} KiB/token with every layer caching the full context")
 
+    def step_shapes(self) -> list[tuple[int, int, bool]]:
+        """Every (tokens, sequences, decode_only) shape a step of this engine can take: all-decode steps padded to
+        a sequence bucket, and mixed steps padded to max(token bucket, sequence bucket)."""
+        shapes = [(s, s, True) for s in self.s_buckets]
+        shapes += sorted({(max(t, s), s, False) for s in self.s_buckets for t in self.t_buckets})
+        return shapes
+
+    def precompile(self, greedy_only: bool = False) -> float:
+        """Compile (and run once, on padding) the step of every shape in `step_shapes`, so no request waits for a
+        compile later; with the persistent compilation cache a restart mostly loads them. Both step variants
+        (greedy tokens and full logits) unless greedy_only. Nothing is written: every slot of a padding step is
+        skipped. Returns the seconds it took."""
+        if self.has_unfinished():
+            raise RuntimeError("precompile() must run before any request is added")
+        t0 = time.perf_counter()
+        shapes = self.step_shapes()
+        for i, (t_pad, s_pad, dec) in enumerate(shapes):
+            inp = build_step_inputs(self.spec, [], t_pad, s_pad)
+            inp = dataclasses.replace(inp, metas=tuple(dataclasses.replace(m, decode_only=dec) for m in inp.metas))
+            outs = [self.runner.forward_greedy(inp)] + ([] if greedy_only else [self.runner.forward(inp)])
+            jax.block_until_ready(outs)
+            logger.info("precompiled step %d/%d: %d tokens, %d sequences%s", i + 1, len(shapes), t_pad, s_pad,
+                        " (decode)" if dec else "")
+        return time.perf_counter() - t0
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         from gemmajax.tools.detokenizer import IncrementalDetokenizer

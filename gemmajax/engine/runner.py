@@ -234,7 +234,7 @@ class ModelRunner:
 
     @property
     def _step(self):
-        return compiled_step(self.spec)
+        return compiled_step(self.spec, False)
 
     def forward(self, inp: StepInputs) -> jax.Array:
         """Run one step; updates the caches in place (donated). Returns logits [S_pad, V] float32 (on device)."""

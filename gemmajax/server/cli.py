@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_positive, default=256,
                    help="requests held at once (running + waiting); more get HTTP 429")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--precompile", action="store_true",
+                   help="compile every step shape before serving, so no request waits for a compile (minutes on a "
+                        "CPU; the persistent compilation cache makes restarts fast)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

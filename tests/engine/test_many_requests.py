@@ -104,3 +104,34 @@ def test_a_lookahead_step_whose_sequences_all_stopped_is_dropped(llm):
     assert [len(o.token_ids) for o in outs] == [1, 1, 1] and {o.finish_reason for o in outs} == {"stop"}
     assert eng.stats_counters["lookahead_steps"] > la0
     assert not eng.has_unfinished() and eng._inflight is None
+
+
+def test_precompile_covers_every_step_shape(llm):
+    """After `precompile()`, serving a mix of prompt lengths, batch sizes and sampling compiles no model step, and
+    the padding steps it ran wrote nothing (greedy outputs still equal the cache-free reference)."""
+    from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+    from gemmajax.engine.runner import compiled_step
+    eng = LLMEngine(llm.config, llm.model.weights, llm.tokenizer, EngineConfig(
+        max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, page_size=8, kv_dtype="float32",
+        kv_cache_memory=3 << 20, token_buckets=(16, 32), seq_buckets=(2, 8)))  # a spec of its own: cold caches
+    assert eng.step_shapes() == [(2, 2, True), (8, 8, True), (16, 2, False), (16, 8, False), (32, 2, False),
+                                 (32, 8, False)]
+    greedy_fn, logits_fn = compiled_step(eng.spec, True), compiled_step(eng.spec, False)
+    assert greedy_fn._cache_size() == logits_fn._cache_size() == 0
+    eng.precompile()
+    assert greedy_fn._cache_size() == logits_fn._cache_size() == 6
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (1, 5, 17, 30, 3, 9, 24, 2, 12, 40)]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, **({"temperature": 0.7, "seed": i} if i % 3 == 2
+                                                                  else {})) for i in range(len(prompts))]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"p{i}", p, sp)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert len(done) == len(prompts)
+    assert greedy_fn._cache_size() == logits_fn._cache_size() == 6
+    for i in (0, 3, 6):
+        assert done[f"p{i}"].token_ids == cache_free_greedy(llm.model, prompts[i], 10), i

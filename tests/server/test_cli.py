@@ -28,10 +28,13 @@ def test_serve_flags_and_defaults() -> None:
                                                                               "bfloat16")
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (8192, 64, None)
     assert args.enable_prefix_caching is True and args.ckpt is None and args.served_model_name is None
+    assert args.precompile is False
     args = cli.build_parser().parse_args(
         ["serve", "--ckpt", "m.gguf", "--quant", "w8a8+emb8", "--kv-dtype", "fp8_e5m2", "--port", "9000",
          "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-         "--served-model-name", "g", "--api-key", "k", "--max-queue", "3", "--no-enable-prefix-caching"])
+         "--served-model-name", "g", "--api-key", "k", "--max-queue", "3", "--no-enable-prefix-caching",
+         "--precompile"])
+    assert args.precompile is True
     assert (args.ckpt, args.quant, args.kv_dtype, args.port, args.max_model_len, args.max_num_seqs) == (
         "m.gguf", "w8a8+emb8", "fp8_e5m2", 9000, 4096, 8)
     assert (args.max_num_batched_tokens, args.served_model_name, args.api_key, args.max_queue) == (512, "g", "k", 3)
