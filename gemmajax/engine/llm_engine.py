@@ -71,10 +71,14 @@ class _Pending:
 
     scheduled: list                 # ScheduledSeq entries, in row order
     samples: list[bool]             # per entry: the step samples its next token
-    rows: list[int]                 # entries that sample
     s_pad: int
     greedy: bool                    # result: tokens [s_pad] (argmax in the step) | logits [s_pad, V]
     result: Any
+
+    @property
+    def rows(self) -> list[int]:
+        """Entries that sample."""
+        return [i for i, ok in enumerate(self.samples) if ok]
 
 
 @jax.jit
@@ -269,8 +273,7 @@ class LLMEngine:
             src[:S] = [row[s.seq.seq_id] for s in scheduled]
             inp = dataclasses.replace(inp, token_ids=_take(prev.result, src))
         samples = [s.samples if prev is None else True for s in scheduled]
-        rows = [i for i, ok in enumerate(samples) if ok]
-        seqs = [scheduled[i].seq for i in rows]
+        seqs = [s.seq for s, ok in zip(scheduled, samples) if ok]
         greedy = prev is not None or plain_greedy(
             seqs, [self._reqs[s.request_id].constraint for s in seqs], self.eos_token_ids)
         if greedy:
@@ -278,7 +281,7 @@ class LLMEngine:
             result = self.runner.forward_greedy(inp)
         else:
             result = self.runner.forward(inp)
-        return _Pending(list(scheduled), samples, rows, s_pad, greedy, result)
+        return _Pending(list(scheduled), samples, s_pad, greedy, result)
 
     def _complete(self, p: _Pending) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens, then update the scheduler and emit the outputs."""
@@ -286,15 +289,16 @@ class LLMEngine:
         sched = p.scheduled
         sampled: dict[int, int | None] = {}
         lp_rows: dict[int, dict] = {}
+        rows = p.rows
         if p.greedy:
             toks_all = np.asarray(p.result)
             skip_rows(p.s_pad)
-            for r in p.rows:
+            for r in rows:
                 sampled[sched[r].seq.seq_id] = int(toks_all[r])
         else:
-            seqs = [sched[r].seq for r in p.rows]
-            toks, lps = self._sample(p.result, seqs, p.rows)
-            for i, r in enumerate(p.rows):
+            seqs = [sched[r].seq for r in rows]
+            toks, lps = self._sample(p.result, seqs, rows)
+            for i, r in enumerate(rows):
                 seq = sched[r].seq
                 sampled[seq.seq_id] = int(toks[i])
                 if lps is not None:

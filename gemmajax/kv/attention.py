@@ -105,6 +105,12 @@ def _token_seq_and_pos(meta: RaggedMeta, t_pad: int) -> tuple[jax.Array, jax.Arr
     """
     cu = meta.cu_q_lens
     s_max = meta.kv_lens.shape[0]
+    if meta.decode_only:  # token i is sequence i's one query: nothing to search
+        if t_pad != s_max:
+            raise ValueError(f"a decode_only RaggedMeta needs one query per sequence slot: q has {t_pad} rows, "
+                             f"S_max is {s_max}")
+        seq = jnp.arange(t_pad, dtype=jnp.int32)
+        return seq, meta.kv_lens - 1, seq < meta.num_seqs[0]
     t = jnp.arange(t_pad, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right", method="compare_all").astype(jnp.int32), s_max - 1)
     valid = t < cu[meta.num_seqs[0]]
@@ -115,7 +121,10 @@ def _token_seq_and_pos(meta: RaggedMeta, t_pad: int) -> tuple[jax.Array, jax.Arr
 
 def slot_mapping(meta: RaggedMeta, t_pad: int, page_size: int) -> jax.Array:
     """Cache slot (page * page_size + offset) of every flat token's new K/V; -1 for padding tokens. int32 [T]."""
-    seq, pos, valid = _token_seq_and_pos(meta, t_pad)
+    return _slots(meta, *_token_seq_and_pos(meta, t_pad), page_size)
+
+
+def _slots(meta: RaggedMeta, seq: jax.Array, pos: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:
     p_max = meta.page_indices.shape[1]
     page = meta.page_indices[seq, jnp.clip(pos // page_size, 0, p_max - 1)]
     return jnp.where(valid, page * page_size + pos % page_size, -1)
@@ -339,22 +348,10 @@ def ragged_paged_attention_ref(
     # on XLA:CPU 128 halved the time of 16 short (88-token) rows against 256 and matched it at 1k (bench/kernels.py).
     block_q, dec_block_kv, block_kv = block_q or 64, block_kv or 128, block_kv or 256
     dt = page_dtype(kv_pages, kv_dtype)
-    if meta.decode_only:
-        if t_pad != meta.kv_lens.shape[0]:
-            raise ValueError(f"a decode_only RaggedMeta needs one query per sequence slot: q has {t_pad} rows, "
-                             f"S_max is {meta.kv_lens.shape[0]}")
-        seq = jnp.arange(t_pad, dtype=jnp.int32)
-        valid = seq < meta.num_seqs[0]
-        pos = meta.kv_lens - 1
-        p_max = meta.page_indices.shape[1]
-        slots = jnp.where(valid, meta.page_indices[seq, jnp.clip(pos // ps, 0, p_max - 1)] * ps + pos % ps, -1)
-    else:
-        seq, pos, valid = _token_seq_and_pos(meta, t_pad)
-        slots = None
+    seq, pos, valid = _token_seq_and_pos(meta, t_pad)
     if k_new is not None:
-        if slots is None:
-            slots = slot_mapping(meta, t_pad, ps)
-        kv_pages = write_kv(kv_pages, k_new, v_new, slots, k_scale=k_scale, v_scale=v_scale, kv_dtype=dt)
+        kv_pages = write_kv(kv_pages, k_new, v_new, _slots(meta, seq, pos, valid, ps), k_scale=k_scale,
+                            v_scale=v_scale, kv_dtype=dt)
     kw = {
         "sm_scale": sm_scale,
         "sliding_window": sliding_window,
