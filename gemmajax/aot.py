@@ -41,7 +41,7 @@ from gemmajax.engine.runner import (  # noqa: E402
     build_step_inputs,
     kv_groups,
     model_step,
-    pow2_buckets,
+    token_buckets,
 )
 from gemmajax.kv.attention import kernel_supports  # noqa: E402
 from gemmajax.kv.layout import kv_dtype as resolve_kv_dtype  # noqa: E402
@@ -426,7 +426,7 @@ class Target:
 
 def step_shapes(req: AotRequest) -> dict[str, tuple[int, int]]:
     """(T, S) of the decode and prefill programs, bucketed as the engine buckets them (LLMEngine)."""
-    t_buckets = pow2_buckets(16, req.max_num_batched_tokens)
+    t_buckets = token_buckets(16, req.max_num_batched_tokens)
     s = req.max_num_seqs
     return {"decode": (bucket(s, t_buckets), s), "prefill": (req.max_num_batched_tokens, s)}
 

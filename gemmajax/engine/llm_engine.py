@@ -21,7 +21,7 @@ import numpy as np
 from gemmajax.config import ModelConfig
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
-    pow2_buckets
+    pow2_buckets, token_buckets
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step, skip_rows
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
@@ -60,7 +60,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attn_impl: str = "auto"
     seed: int = 0
-    token_buckets: tuple[int, ...] | None = None   # step token counts compiled for (default: powers of 2)
+    token_buckets: tuple[int, ...] | None = None   # step token counts compiled for (default: runner.token_buckets)
     async_scheduling: bool = True                  # dispatch decode step N+1 before reading step N's tokens
     seq_buckets: tuple[int, ...] | None = None     # step sequence counts compiled for (default: powers of 2)
 
@@ -126,7 +126,7 @@ class LLMEngine:
             max_model_len=max_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         self.runner = ModelRunner(weights, self.spec)
         logger.info(self.kv_summary())
-        self.t_buckets = config.token_buckets or pow2_buckets(16, config.max_num_batched_tokens)
+        self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens)
         self.s_buckets = config.seq_buckets or pow2_buckets(1, config.max_num_seqs)
         self._reqs: dict[str, _ReqState] = {}
         self._seed_counter = itertools.count(config.seed * 1000003)

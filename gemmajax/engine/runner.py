@@ -179,6 +179,16 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def token_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """The default step token counts: powers of 2 from lo, plus the midpoints 3 x 2^k from 96 up, then hi.
+
+    A step pays for its whole bucket, so a power-of-2 ladder wastes up to half a step above 64 tokens, where the
+    GEMMs are compute-bound. Measured on Gemma 3 270M, 2 cores: 16 prompts of 24 tokens (384) 388 -> 300 ms to the
+    first token with 384 as a bucket, 8 of 24 (192) 208 -> 167 ms, one of 300 tokens 392 -> 307 ms."""
+    mids = [3 << k for k in range(5, hi.bit_length()) if lo <= (3 << k) < hi]  # 96, 192, 384, ...
+    return tuple(sorted(set(pow2_buckets(lo, hi)) | set(mids)))
+
+
 def build_step_inputs(spec: RunnerSpec, entries: list[tuple[list[int], int, int, list[list[int]]]],
                       t_pad: int, s_pad: int) -> StepInputs:
     """entries: per sequence (token ids to compute, start position, num tokens, page tables per group).
