@@ -126,7 +126,8 @@ class LLMEngine:
             max_model_len=max_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         self.runner = ModelRunner(weights, self.spec)
         logger.info(self.kv_summary())
-        self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens)
+        self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens,
+                                                                dense=jax.default_backend() == "cpu")
         self.s_buckets = config.seq_buckets or pow2_buckets(1, config.max_num_seqs)
         self._reqs: dict[str, _ReqState] = {}
         self._seed_counter = itertools.count(config.seed * 1000003)

@@ -179,13 +179,16 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def token_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """The default step token counts: powers of 2 from lo, plus the midpoints 3 x 2^k from 96 up, then hi.
+def token_buckets(lo: int, hi: int, dense: bool = False) -> tuple[int, ...]:
+    """Step token counts to compile for: powers of 2 from lo, then hi; dense adds the midpoints 3 x 2^k from 24.
 
-    A step pays for its whole bucket, so a power-of-2 ladder wastes up to half a step above 64 tokens, where the
-    GEMMs are compute-bound. Measured on Gemma 3 270M, 2 cores: 16 prompts of 24 tokens (384) 388 -> 300 ms to the
-    first token with 384 as a bucket, 8 of 24 (192) 208 -> 167 ms, one of 300 tokens 392 -> 307 ms."""
-    mids = [3 << k for k in range(5, hi.bit_length()) if lo <= (3 << k) < hi]  # 96, 192, 384, ...
+    A step pays for its whole bucket, so a power-of-2 ladder wastes up to half a step. On XLA:CPU the GEMMs cost
+    in proportion to their rows from about 16 up and a compile takes seconds, so the CPU engine uses the dense
+    ladder. Measured on Gemma 3 270M, 2 cores, time to first token, powers of 2 -> dense: one 24-token prompt
+    47.5 -> 42.4 ms, one of 40 68.2 -> 57.7 ms, 16 of 24 (384 tokens) 388 -> 300 ms, one of 300 392 -> 307 ms.
+    Accelerators keep powers of 2: every bucket is a compile of minutes and host memory (vLLM-TPU cut its token
+    buckets to four for that reason, ../shared/reference/anchors.md)."""
+    mids = [3 << k for k in range(3, hi.bit_length()) if lo <= (3 << k) < hi] if dense else []  # 24, 48, 96, ...
     return tuple(sorted(set(pow2_buckets(lo, hi)) | set(mids)))
 
 

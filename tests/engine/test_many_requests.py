@@ -106,6 +106,17 @@ def test_a_lookahead_step_whose_sequences_all_stopped_is_dropped(llm):
     assert not eng.has_unfinished() and eng._inflight is None
 
 
+def test_default_buckets_follow_the_backend(llm):
+    """Without explicit buckets an engine on XLA:CPU compiles for the dense token ladder, sequences by powers of 2."""
+    import jax
+    from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+    assert jax.default_backend() == "cpu"
+    eng = LLMEngine(llm.config, llm.model.weights, llm.tokenizer, EngineConfig(
+        max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, page_size=8, kv_dtype="float32",
+        kv_cache_memory=3 << 20))
+    assert eng.t_buckets == (16, 24, 32, 48, 64) and eng.s_buckets == (1, 2, 4, 8)
+
+
 def test_precompile_covers_every_step_shape(llm):
     """After `precompile()`, serving a mix of prompt lengths, batch sizes and sampling compiles no model step, and
     the padding steps it ran wrote nothing (greedy outputs still equal the cache-free reference)."""
