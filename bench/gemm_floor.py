@@ -1,0 +1,161 @@
+"""The GEMM floor of one decode step on this machine: every weight matmul of the model's step, run alone.
+
+A decode step of S streams multiplies S rows by every weight matrix (the 7 projections of each layer and the tied
+LM head). This script runs exactly that sequence of GEMMs, with bf16 weights of the model's shapes (random values,
+each matrix its own buffer, so nothing stays in cache between layers as in the real step), and nothing else:
+no attention, norms, sampling or dispatch. The time it prints is a floor for the whole step with that GEMM
+library, and S / time the most tokens/s any engine built on it can decode. It runs through XLA:CPU (what
+gemmajax's CPU step compiles to: `dense_matmul_cpu`, YNNPACK GEMMs from 2 rows) and through torch (oneDNN: what
+transformers' step calls), each in processes of its own so their thread pools do not compete.
+
+    .venv/bin/python bench/gemm_floor.py --rows 1 2 16 64    # Gemma 3 270M (the GGUF's config); ~2 min
+
+Measured here (2-core AMD EPYC, AVX-512 bf16, jax 0.10.2, torch 2.13.0; best of 3 rounds x 5 calls):
+
+| rows | XLA:CPU layers ms | XLA:CPU LM head ms | XLA:CPU step floor ms | tok/s bound | torch layers ms | torch LM head ms | torch step floor ms | tok/s bound |
+|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 1 | 6.4 | 10.8 | 17.2 | 58 | 14.1 | 19.7 | 33.7 | 30 |
+| 2 | 13.6 | 20.6 | 34.2 | 59 | 14.1 | 20.7 | 34.8 | 57 |
+| 16 | 20.7 | 31.5 | 52.2 | 307 | 21.1 | 31.5 | 52.6 | 304 |
+| 64 | 48.4 | 103.7 | 152.1 | 421 | 42.5 | 76.5 | 118.9 | 538 |
+
+(126 layer GEMMs and the 262144 x 640 LM head, 536 MB of bf16 weights; one row runs gemmajax's one-row form,
+a loop fusion that reads bf16 weights at memory speed, which is why XLA:CPU is ahead there.) What it means for the
+16-stream targets of bench/compare_cpu.py: the GEMMs alone take 52.2 ms a step, a bound of 307 tok/s for a step
+that did nothing else, and oneDNN's bound is the same (304). 2x transformers' 150.4 tok/s needs 301 tok/s, a
+53.2 ms step: 1.0 ms left for 18 layers of attention, norms, RoPE, sampling and dispatch. 4x llama.cpp's 73.0
+needs 292 tok/s, 54.8 ms: 2.6 ms left. gemmajax's bf16 step spends about 9 ms on them (attention 5.7 ms).
+
+Why the floor is there: at 16 rows the 536 MB are read at about 10 GB/s, a third of this machine's bandwidth,
+while the multiplies need 14 ms at the bf16 dot-product peak. The LM head costs 20.6 ms at 2 rows and 31.5 at 16:
+a fixed ~19 ms, about three passes over its 335 MB, which fits YNNPACK packing the weight into its kernels' tile
+layout inside every call (its bf16 dot-product kernels take k in interleaved pairs, its kernels that read an
+unpacked weight run on the half-speed f32 FMA path, and a jit argument is never a constant it could pack once:
+ynnpack/subgraph/dot.cc, should_pack_b). Tried and measured slower or equal: the weight as the streamed operand
+(weight x activations^T, 27-29 ms, at the f32 FMA rate), int8 x int8 (26.8 ms; u8 x s8, the VNNI form, falls off
+YNNPACK to a 300 ms path), f32 weights (0.42 against 0.30 ms for a 2048 x 640 projection), vocabulary chunks as a
+batched dot (32-52 ms), and XLA's other GEMM paths (its own emitter, the XNNPACK and oneDNN flags: 10x slower).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """([out, in] of every layer projection, in step order), [out, in] of the LM head."""
+    d, n = cfg.hidden_size, cfg.num_heads
+    layers = []
+    for spec in cfg.layers:
+        q, kv = n * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        layers += [(q, d), (kv, d)] + ([] if spec.k_eq_v else [(kv, d)]) + [(d, q)]
+        layers += [(spec.mlp_dim, d), (spec.mlp_dim, d), (d, spec.mlp_dim)]
+    return layers, (cfg.vocab_size, d)
+
+
+def best_of(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def child_xla(layer_shapes, head, rows, reps) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gemmajax.quant.ops import dense_matmul_cpu  # the form gemmajax's CPU step uses for each row count
+
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.05, jnp.bfloat16) for s in layer_shapes]
+    w_head = jnp.asarray(rng.standard_normal(head, np.float32) * 0.05, jnp.bfloat16)
+    out = {}
+    for m in rows:
+        xs = {k: jnp.ones((m, k), jnp.bfloat16) for k in {s[1] for s in layer_shapes} | {head[1]}}
+
+        @jax.jit
+        def layers(xs, ws):  # every product is kept (one element of each summed), so none is dead code
+            acc = jnp.zeros((), jnp.float32)
+            for w in ws:
+                acc += dense_matmul_cpu(xs[w.shape[1]], w)[0, 0].astype(jnp.float32)
+            return acc
+
+        lm = jax.jit(dense_matmul_cpu)
+        out[m] = (best_of(lambda: layers(xs, ws).block_until_ready(), reps),
+                  best_of(lambda: lm(xs[head[1]], w_head).block_until_ready(), reps))
+    return out
+
+
+def child_torch(layer_shapes, head, rows, reps) -> dict:
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(s, generator=g) * 0.05).bfloat16() for s in layer_shapes]
+    w_head = (torch.randn(head, generator=g) * 0.05).bfloat16()
+    out = {}
+    with torch.inference_mode():
+        for m in rows:
+            xs = {k: torch.ones(m, k).bfloat16() for k in {s[1] for s in layer_shapes} | {head[1]}}
+
+            def layers():
+                for w in ws:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+            out[m] = (best_of(layers, reps), best_of(lambda: torch.nn.functional.linear(xs[head[1]], w_head), reps))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="rows per GEMM (decode streams)")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per process (best taken)")
+    ap.add_argument("--rounds", type=int, default=3, help="processes per library, alternating (best taken)")
+    ap.add_argument("--model-path", default=None, help="a checkpoint gemmajax loads (default: the Gemma 3 270M GGUF)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        fn = child_xla if spec["engine"] == "xla" else child_torch
+        res = fn([tuple(s) for s in spec["layers"]], tuple(spec["head"]), spec["rows"], spec["reps"])
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+
+    from gemmajax.model.gguf import default_model_path
+    from gemmajax.model.loader import open_checkpoint
+    cfg = open_checkpoint(args.model_path or default_model_path()).config
+    layer_shapes, head = shapes(cfg)
+    res: dict = {"xla": {}, "torch": {}}
+    for _ in range(args.rounds):  # alternating rounds, best of all: other tenants of the machine come and go
+        for engine in ("xla", "torch"):
+            spec = json.dumps({"engine": engine, "layers": layer_shapes, "head": head, "rows": args.rows,
+                               "reps": args.reps})
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            p = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True, env=env,
+                               check=False)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not line:
+                raise SystemExit(f"{engine} failed: {p.stderr.strip().splitlines()[-3:]}")
+            for k, (lay, lm) in json.loads(line[-1][7:]).items():
+                old = res[engine].get(int(k), (float("inf"), float("inf")))
+                res[engine][int(k)] = (min(old[0], lay), min(old[1], lm))
+    print(f"{len(layer_shapes)} layer GEMMs + LM head {head[0]} x {head[1]}; bf16 weights "
+          f"{(sum(a * b for a, b in layer_shapes) + head[0] * head[1]) * 2 / 1e6:.0f} MB")
+    print("| rows | XLA:CPU layers ms | XLA:CPU LM head ms | XLA:CPU step floor ms | tok/s bound | torch layers ms "
+          "| torch LM head ms | torch step floor ms | tok/s bound |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for m in args.rows:
+        cells = []
+        for engine in ("xla", "torch"):
+            lay, lm = res[engine][m]
+            cells += [f"{lay * 1e3:.1f}", f"{lm * 1e3:.1f}", f"{(lay + lm) * 1e3:.1f}", f"{m / (lay + lm):.0f}"]
+        print(f"| {m} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
