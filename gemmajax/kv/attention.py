@@ -194,6 +194,19 @@ def _qk(spec: str, q: jax.Array, k: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _decode_block_kv(rows: int, pages_shape: tuple[int, ...], budget: int = 512 << 10) -> int:
+    """KV tokens per block of `_ref_decode_rows`: the largest multiple of the page size, at most 128, whose gathered
+    K and V blocks for all `rows` sequences ([rows, K, block, H] each, 2-byte compute dtype) fit in `budget`.
+
+    Every row pays for the batch's longest KV range in whole blocks, and a block's gathers and products must stay in
+    cache. Measured on XLA:CPU (2 cores, Gemma 3 270M heads, best of 2, ms per layer) 32 / 128-token blocks:
+    16 rows of 24-88 tokens 0.19 / 0.24, 64 rows of 24-300 1.84 / 2.63, 64 of 400-500 3.31 / 4.70; one row of 1k
+    tokens 0.12 / 0.10 (which this rule gives 128)."""
+    _, two_k, ps, h = pages_shape
+    fit = budget // max(1, rows * two_k * h * 2)
+    return max(ps, min(128, fit // ps * ps))
+
+
 def _ref_decode_rows(
     q, kv_pages, meta, seq, pos, valid, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_kv, kv_dtype
 ):
@@ -344,12 +357,12 @@ def ragged_paged_attention_ref(
     """
     t_pad = q.shape[0]
     ps = kv_pages.shape[2]
-    # Decode rows default to 128-token KV blocks: a decode batch pays for its longest row rounded up to a block, and
-    # on XLA:CPU 128 halved the time of 16 short (88-token) rows against 256 and matched it at 1k (bench/kernels.py).
+    # Decode rows default to KV blocks whose K and V for every row fit in about 512 KiB (`_decode_block_kv`).
     # Prefill chunks default to 16 query tokens x 64 KV tokens: a chunk computes its whole tile, so short prompts
     # waste most of a large one. Measured on Gemma 3 270M, 2 cores, time to first token against 64 x 256:
     # 16 prompts of 24 tokens 502 -> 380 ms, 4 of 200 882 -> 784 ms, 1 of 500 436 -> 451 ms (noise about 20 ms).
-    block_q, dec_block_kv, block_kv = block_q or 16, block_kv or 128, block_kv or 64
+    block_q, dec_block_kv = block_q or 16, block_kv or _decode_block_kv(meta.page_indices.shape[0], kv_pages.shape)
+    block_kv = block_kv or 64
     dt = page_dtype(kv_pages, kv_dtype)
     seq, pos, valid = _token_seq_and_pos(meta, t_pad)
     if k_new is not None:
