@@ -23,6 +23,11 @@ The first pass at each level pays the compiles of that level's new step shapes (
 (tokens, sequences) bucket on first use. With `--serve-args=--precompile` the server compiled all 46 shapes first
 (543 s here) and the first-pass worst TTFT was 0.15 / 0.34 / 0.73 / 2.26 s at 1 / 4 / 16 / 64 streams; the second
 pass gave 50.6 / 88.7 / 226.7 / 275.6 tok/s.
+
+These figures predate two later changes and were not re-measured: the CPU engine's token buckets gained the
+midpoints 3 x 2^k (78 step shapes at these settings instead of 46, so --precompile takes longer and more first
+requests compile; prefill steps pad less), and decode attention uses smaller KV blocks at many streams (the same
+64-stream decode went from 293 to 351 tok/s in LLM.generate).
 """
 from __future__ import annotations
 
