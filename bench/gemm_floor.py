@@ -57,12 +57,13 @@ def shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     return layers, (cfg.vocab_size, d)
 
 
-def best_of(fn, reps: int) -> float:
-    fn()
+def best_of(reps: int, fn, *args) -> float:
+    """Seconds of the fastest of `reps` calls of fn(*args), after one untimed call (compiles, warms caches)."""
+    fn(*args)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
+        fn(*args)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -89,8 +90,9 @@ def child_xla(layer_shapes, head, rows, reps) -> dict:
             return acc
 
         lm = jax.jit(dense_matmul_cpu)
-        out[m] = (best_of(lambda: layers(xs, ws).block_until_ready(), reps),
-                  best_of(lambda: lm(xs[head[1]], w_head).block_until_ready(), reps))
+        def ready(f, *a):
+            return jax.block_until_ready(f(*a))
+        out[m] = (best_of(reps, ready, layers, xs, ws), best_of(reps, ready, lm, xs[head[1]], w_head))
     return out
 
 
@@ -105,10 +107,10 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
         for m in rows:
             xs = {k: torch.ones(m, k).bfloat16() for k in {s[1] for s in layer_shapes} | {head[1]}}
 
-            def layers():
+            def layers(xs, ws):
                 for w in ws:
                     torch.nn.functional.linear(xs[w.shape[1]], w)
-            out[m] = (best_of(layers, reps), best_of(lambda: torch.nn.functional.linear(xs[head[1]], w_head), reps))
+            out[m] = (best_of(reps, layers, xs, ws), best_of(reps, torch.nn.functional.linear, xs[head[1]], w_head))
     return out
 
 

@@ -1,5 +1,4 @@
 """Step-shape buckets: the token ladders (powers of 2; dense adds 3 x 2^k from 24) and bucket lookup."""
-import jax
 import pytest
 
 from gemmajax.engine.runner import bucket, pow2_buckets, token_buckets
