@@ -39,11 +39,13 @@ batched dot (32-52 ms), and XLA's other GEMM paths (its own emitter, the XNNPACK
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
-import time
+
+from compare_cpu import best_of  # bench/ is on sys.path: this script runs as bench/gemm_floor.py
 
 
 def shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -57,15 +59,10 @@ def shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     return layers, (cfg.vocab_size, d)
 
 
-def best_of(reps: int, fn, *args) -> float:
+def warm_best(reps: int, fn, *args) -> float:
     """Seconds of the fastest of `reps` calls of fn(*args), after one untimed call (compiles, warms caches)."""
     fn(*args)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_of(functools.partial(fn, *args), reps)
 
 
 def child_xla(layer_shapes, head, rows, reps) -> dict:
@@ -92,7 +89,7 @@ def child_xla(layer_shapes, head, rows, reps) -> dict:
         lm = jax.jit(dense_matmul_cpu)
         def ready(f, *a):
             return jax.block_until_ready(f(*a))
-        out[m] = (best_of(reps, ready, layers, xs, ws), best_of(reps, ready, lm, xs[head[1]], w_head))
+        out[m] = (warm_best(reps, ready, layers, xs, ws), warm_best(reps, ready, lm, xs[head[1]], w_head))
     return out
 
 
@@ -110,7 +107,7 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
             def layers(xs, ws):
                 for w in ws:
                     torch.nn.functional.linear(xs[w.shape[1]], w)
-            out[m] = (best_of(reps, layers, xs, ws), best_of(reps, torch.nn.functional.linear, xs[head[1]], w_head))
+            out[m] = (warm_best(reps, layers, xs, ws), warm_best(reps, torch.nn.functional.linear, xs[head[1]], w_head))
     return out
 
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from compare_cpu import best_of  # bench/ is on sys.path: this script runs as bench/step_breakdown.py
+
 VARIANTS = ("full", "no-head", "no-attention", "no-head-no-attention")
 
 
@@ -58,11 +60,7 @@ def gemm_sweep() -> list[str]:
                     (2048, 2048, 2048)):
         a, b = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
         f(a, b).block_until_ready()
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            f(a, b).block_until_ready()
-            best = min(best, time.perf_counter() - t)
+        best = best_of(lambda a=a, b=b: f(a, b).block_until_ready(), 5)
         out.append(f"| {m} x {k} x {n} | {best * 1e3:.2f} | {2 * m * k * n / best / 1e9:.0f} |")
     return out
 
