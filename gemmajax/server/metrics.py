@@ -89,9 +89,6 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> GenerationTimer:
-        return GenerationTimer(self)
-
 
 class GenerationTimer:
     """Latency bookkeeping of one generation (one choice): first token, gaps between tokens, end."""

@@ -307,22 +307,6 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: dict[str, Any]
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-
-
 class CompletionChoice(BaseModel):
     index: int
     text: str
