@@ -5,8 +5,9 @@ order given. Chat renders with the checkpoint's chat template and parses Gemma 4
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -15,6 +16,9 @@ from gemmajax.engine.sampling_params import SamplingParams
 
 @dataclass
 class CompletionOutput:
+    """One prompt's result. With SamplingParams.n > 1, `outputs` holds the n completions (each with these fields)
+    and the fields above it are those of the first; with n == 1, `outputs` is [self]."""
+
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -22,10 +26,14 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     stop_reason: Any = None
     error: str | None = None
+    index: int = 0                   # which of the n completions
+    outputs: list["CompletionOutput"] = field(default_factory=list, repr=False)
 
 
 @dataclass
 class ChatOutput:
+    """One conversation's answer, parsed; `outputs` as in CompletionOutput (n choices)."""
+
     content: str | None
     reasoning_content: str | None
     tool_calls: list[dict]
@@ -33,12 +41,15 @@ class ChatOutput:
     text: str                        # the raw generated text (special tokens kept)
     token_ids: list[int]
     prompt_token_ids: list[int]
+    index: int = 0
+    num_reasoning_tokens: int = 0
+    outputs: list["ChatOutput"] = field(default_factory=list, repr=False)
 
 
 class LLM:
     """Offline batch generation on the serving engine (continuous batching, paged KV cache)."""
 
-    def __init__(self, ckpt: str | None = None, quant: str = "none", kv_dtype: str = "bf16", dtype: str = "bfloat16",
+    def __init__(self, ckpt: str | None = None, quant: str = "none", kv_dtype: str = "auto", dtype: str = "bfloat16",
                  max_model_len: int = 8192, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  page_size: int = 32, kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  attn_impl: str = "auto", seed: int = 0, tokenizer=None):
@@ -68,37 +79,57 @@ class LLM:
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
-        """prompts: str | list[str] | list[list[int]]; params: one SamplingParams or one per prompt."""
+        """prompts: str | list[str] | list[list[int]]; params: one SamplingParams or one per prompt.
+        One CompletionOutput per prompt, in order (n completions in its `outputs`)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        plist = self._params_list(params, len(prompts), "prompts")
+        groups = self._run([self._encode(p) for p in prompts], plist)
+        results = []
+        for group in groups:
+            outs = [CompletionOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason, o.logprobs,
+                                     o.stop_reason, o.error, index=j) for j, o in enumerate(group)]
+            for o in outs:
+                o.outputs = [o]
+            outs[0].outputs = outs
+            results.append(outs[0])
+        return results
+
+    @staticmethod
+    def _params_list(params, n: int, what: str) -> list[SamplingParams]:
         if params is None:
             params = SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids = [self._encode(p) for p in prompts]
-        finals = self._run(ids, plist)
-        return [CompletionOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason, o.logprobs,
-                                 o.stop_reason, o.error) for o in finals]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+        if len(plist) != n:
+            raise ValueError(f"params: got {len(plist)} SamplingParams for {n} {what}")
+        return plist
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_bos=True)
         return [int(t) for t in prompt]
 
-    def _run(self, ids: list[list[int]], plist: list[SamplingParams]) -> list[RequestOutput]:
-        rids = []
+    def _run(self, ids: list[list[int]], plist: list[SamplingParams]) -> list[list[RequestOutput]]:
+        """Run every prompt's n completions; per prompt, its n final outputs in choice order. Choice j > 0 of a
+        prompt waits for choice 0's prompt pages (prefix cache) and, when seeded, uses seed + j (as the server)."""
+        groups = []
         for toks, p in zip(ids, plist):
-            rid = f"llm-{next(self._ids)}"
-            rids.append(rid)
-            self.engine.add_request(rid, toks, p)
+            base = f"llm-{next(self._ids)}"
+            rids = []
+            for j in range(p.n):
+                one = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                rid = base if p.n == 1 else f"{base}.{j}"
+                self.engine.add_request(rid, toks, one, after=rids[0] if rids else None)
+                rids.append(rid)
+            groups.append(rids)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(rids):
+        want = sum(len(g) for g in groups)
+        while len(final) < want:
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
-        return [final[r] for r in rids]
+        return [[final[r] for r in g] for g in groups]
 
     # ------------------------------------------------------------------ chat
     def chat_template(self):
@@ -117,36 +148,49 @@ class LLM:
         return self.tokenizer.encode(text, add_bos=False)
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, tools=None,
-             enable_thinking: bool = False) -> list[ChatOutput]:
-        """messages: one OpenAI-style message list, or a list of them. One ChatOutput per conversation."""
-        import dataclasses
+             enable_thinking: bool = False, tool_choice: Any = "auto", parallel_tool_calls: bool = True
+             ) -> list[ChatOutput]:
+        """messages: one OpenAI-style message list, or a list of them. One ChatOutput per conversation.
+
+        The same rules as the server's /v1/chat/completions (gemmajax/engine/chat.py): SamplingParams.json_schema
+        and tool_choice "required" / a named function are enforced by a grammar (behind a free thought channel
+        when thinking is on, closed at thinking_token_budget or half of max_tokens), reasoning and tool calls are
+        parsed from the Gemma 4 output."""
+        from gemmajax.engine.chat import chat_finish_reason, chat_grammar, chat_params
+        from gemmajax.engine.thinking import ThoughtTracker
         from gemmajax.tools.parser import parse_gemma4
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if params is None:
-            params = SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(convs)
+        plist = self._params_list(params, len(convs), "conversations")
         gemma4 = getattr(self.tokenizer, "family", "gemma4") == "gemma4"
+        tools_active = bool(tools) and tool_choice != "none"
         ids, adj = [], []
         for conv, p in zip(convs, plist):
-            ids.append(self.render_chat(conv, tools=tools, enable_thinking=enable_thinking))
-            changes = {}
-            if gemma4 and (tools or enable_thinking):
-                changes["skip_special_tokens"] = False  # the parser needs <|tool_call>, <|channel> (vLLM #45832)
-            if p.json_schema is not None and p.grammar is None:
-                from gemmajax.tools.constrained import json_schema_grammar, thinking_then
-                g = json_schema_grammar(p.json_schema)
-                changes["grammar"] = thinking_then(g) if enable_thinking else g
-            adj.append(dataclasses.replace(p, **changes) if changes else p)
-        outs = self._run(ids, adj)
+            ids.append(self.render_chat(conv, tools=tools if tools_active else None, enable_thinking=enable_thinking))
+            grammar = p.grammar
+            if grammar is None:
+                grammar, _ = chat_grammar(json_schema=p.json_schema, tools=tools, tool_choice=tool_choice,
+                                          parallel_tool_calls=parallel_tool_calls, thinking=enable_thinking)
+            adj.append(chat_params(p, gemma4=gemma4, parse=tools_active or enable_thinking,
+                                   thinking=enable_thinking, grammar=grammar))
         results = []
-        for o in outs:
-            if gemma4:
-                msg = parse_gemma4(o.text, reasoning=enable_thinking)
-                content, reasoning, calls = msg.content, msg.reasoning_content, msg.tool_calls
-            else:
-                content, reasoning, calls = o.text, None, []
-            reason = "tool_calls" if calls else o.finish_reason
-            results.append(ChatOutput(content, reasoning, calls, reason, o.text, o.token_ids, o.prompt_token_ids))
+        for prompt, group in zip(ids, self._run(ids, adj)):
+            tracker = ThoughtTracker.for_request(self.tokenizer, prompt, None)
+            in_reasoning = enable_thinking and tracker is not None and tracker.in_thought
+            outs = []
+            for j, o in enumerate(group):
+                if gemma4:
+                    msg = parse_gemma4(o.text, reasoning=enable_thinking, prompt_in_reasoning=in_reasoning)
+                    content, reasoning, calls = msg.content, msg.reasoning_content, msg.tool_calls
+                    if not parallel_tool_calls:
+                        calls = calls[:1]
+                else:
+                    content, reasoning, calls = o.text, None, []
+                outs.append(ChatOutput(content, reasoning, calls, chat_finish_reason(o.finish_reason, bool(calls)),
+                                       o.text, o.token_ids, o.prompt_token_ids, j, o.num_reasoning_tokens))
+            for o in outs:
+                o.outputs = [o]
+            outs[0].outputs = outs
+            results.append(outs[0])
         return results
 
 

@@ -7,7 +7,6 @@ Stop strings are checked here, on the detokenized text, so a request stops (and 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import time
@@ -22,10 +21,12 @@ from gemmajax.config import ModelConfig
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
     pow2_buckets, token_buckets
-from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step, skip_rows
+from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
 from gemmajax.engine.sequence import Sequence, SequenceStatus
+from gemmajax.engine.thinking import ThoughtTracker
+from gemmajax.kv.layout import resolve_auto
 from gemmajax.model import gemma
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    num_reasoning_tokens: int = 0       # output tokens inside thought channels so far
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     page_size: int = 32
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "auto"                  # "auto" = the model's dtype; "bf16" / "float32" / "fp8_e5m2" / "fp8_e4m3"
     kv_cache_memory: int = 2 << 30          # bytes for all KV pages
     enable_prefix_caching: bool = True
     attn_impl: str = "auto"
@@ -95,11 +97,23 @@ class _ReqState:
     sent_tokens: int = 0
     constraint: Any = None
     logprobs: list = field(default_factory=list)
+    thought: ThoughtTracker | None = None
+
+    def forced_token(self) -> int | None:
+        """The token the next sample must be, if any: `<channel|>` once the thought is at its budget (unless the
+        grammar does not allow it yet, e.g. before its `thought\n` label: the grammar leads there)."""
+        t = self.thought
+        if t is None or not t.must_close():
+            return None
+        if self.constraint is not None and not self.constraint.allowed_mask()[t.close_id]:
+            return None
+        return t.close_id
 
 
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, weights: gemma.Weights, tokenizer, config: EngineConfig = EngineConfig()):
         self.model_config = cfg
+        config = dataclasses.replace(config, kv_dtype=resolve_auto(config.kv_dtype, gemma.compute_dtype(weights)))
         self.config = config
         self.tokenizer = tokenizer
         max_len = min(config.max_model_len, cfg.max_position_embeddings)
@@ -130,7 +144,8 @@ class LLMEngine:
                                                                 dense=jax.default_backend() == "cpu")
         self.s_buckets = config.seq_buckets or pow2_buckets(1, config.max_num_seqs)
         self._reqs: dict[str, _ReqState] = {}
-        self._seed_counter = itertools.count(config.seed * 1000003)
+        self._held: dict[str, list[Sequence]] = {}   # parent request id -> siblings waiting for its prompt's pages
+        self._unseeded = np.random.default_rng(config.seed)   # seeds of unseeded requests: this engine's alone
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                                "lookahead_steps": 0}
         self._inflight: _Pending | None = None   # a dispatched lookahead step whose tokens are not read yet
@@ -175,40 +190,69 @@ class LLMEngine:
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    after: str | None = None) -> None:
+        """Queue one generation (params.n must be 1: callers run n requests, see LLM.generate).
+
+        after: the id of a request with the same prompt (a sibling choice of an n > 1 request). With prefix
+        caching on, this one waits until that request's prompt is computed and then starts from its cached pages,
+        so n choices compute the prompt once."""
         from gemmajax.tools.detokenizer import IncrementalDetokenizer
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: LLMEngine.add_request takes SamplingParams.n == 1, got "
+                             f"{params.n}; add n requests (LLM.generate and the server do)")
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty (0 tokens)")
+        if request_id in self._reqs:
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
         V = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < V]
         if bad:
             raise ValueError(f"request {request_id!r}: prompt token ids must be in [0, {V}), got {bad[:5]}")
         seq = Sequence(request_id, list(map(int, prompt_token_ids)), params)
-        if params.seed is None:
-            seq.sample_seed = next(self._seed_counter)
-        else:
-            seq.sample_seed = int(params.seed)
+        seq.sample_seed = int(self._unseeded.integers(2**63)) if params.seed is None else int(params.seed)
         constraint = None
-        grammar = getattr(params, "grammar", None)
-        if grammar is None and getattr(params, "json_schema", None) is not None:
-            from gemmajax.tools.constrained import json_schema_grammar
-            grammar = json_schema_grammar(params.json_schema)
+        grammar = params.grammar
+        if grammar is None and params.json_schema is not None:
+            from gemmajax.engine.chat import chat_grammar
+            grammar, _ = chat_grammar(json_schema=params.json_schema)
         if grammar is not None:
             from gemmajax.tools.constrained import GrammarConstraint, make_ll_tokenizer
             if not hasattr(self, "_ll_tok"):
                 self._ll_tok = make_ll_tokenizer(self.tokenizer)
             constraint = GrammarConstraint(self._ll_tok, grammar)
         st = _ReqState(seq, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
-                       constraint=constraint)
-        self.scheduler.add(seq)   # raises on a duplicate id before any state is kept
+                       constraint=constraint,
+                       thought=ThoughtTracker.for_request(self.tokenizer, seq.token_ids, params.thinking_token_budget))
+        parent = self._reqs.get(after) if after is not None else None
+        if (parent is not None and self.config.enable_prefix_caching and not parent.seq.is_finished
+                and parent.seq.prompt_token_ids == seq.prompt_token_ids):
+            self._held.setdefault(after, []).append(seq)
+        else:
+            self.scheduler.add(seq)
         self._reqs[request_id] = st
         self.stats_counters["prompt_tokens"] += len(prompt_token_ids)
 
+    def _release_held(self) -> None:
+        """Queue the siblings whose parent computed its prompt (its full pages are now prefix-cache hits), or
+        finished without doing so."""
+        for parent_id in list(self._held):
+            p = self._reqs.get(parent_id)
+            if p is None or p.seq.is_finished or p.seq.num_computed_tokens >= p.seq.num_prompt_tokens:
+                for seq in self._held.pop(parent_id):
+                    self.scheduler.add(seq)
+
     def abort_request(self, request_id: str) -> None:
+        for held in self._held.values():
+            for seq in held:
+                if seq.request_id == request_id:
+                    held.remove(seq)
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, "abort"
+                    return
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or self._inflight is not None
+        return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._held)
                 or any(st.seq.is_finished for st in self._reqs.values()))
 
     def stats(self) -> dict:
@@ -232,6 +276,7 @@ class LLMEngine:
         pending = self._inflight
         self._inflight = None
         if pending is None:
+            self._release_held()
             sched = self.scheduler.schedule()
             self.stats_counters["preemptions"] = self.scheduler.num_preemptions
             for seq in sched.finished:
@@ -239,7 +284,8 @@ class LLMEngine:
             if not sched.scheduled:
                 return outputs + self._flush_finished()
             pending = self._dispatch(sched.scheduled)
-        if self.config.async_scheduling and pending.greedy and all(pending.samples):
+        if self.config.async_scheduling and pending.greedy and all(pending.samples) and not self._held \
+                and all(self._may_look_ahead(e.seq) for e in pending.scheduled):
             ahead = self.scheduler.schedule_lookahead(pending.scheduled)
             if ahead is not None:
                 self._inflight = self._dispatch(ahead, prev=pending)
@@ -249,6 +295,11 @@ class LLMEngine:
                                                   for s in self._inflight.scheduled):
             self._inflight = None   # every sequence in it stopped on pending's token: nothing to read
         return outputs
+
+    def _may_look_ahead(self, seq: Sequence) -> bool:
+        """No host decision is due on this sequence's next two tokens (a forced end of thought)."""
+        st = self._reqs.get(seq.request_id)
+        return st is None or st.seq is not seq or st.thought is None or st.thought.safe_to_look_ahead()
 
     def _dispatch(self, scheduled: list, prev: _Pending | None = None) -> _Pending:
         """Build the step's inputs and start it on the device (nothing here waits for the device).
@@ -275,8 +326,9 @@ class LLMEngine:
             inp = dataclasses.replace(inp, token_ids=_take(prev.result, src))
         samples = [s.samples if prev is None else True for s in scheduled]
         seqs = [s.seq for s, ok in zip(scheduled, samples) if ok]
-        greedy = prev is not None or plain_greedy(
-            seqs, [self._reqs[s.request_id].constraint for s in seqs], self.eos_token_ids)
+        states = [self._reqs[s.request_id] for s in seqs]
+        greedy = prev is not None or plain_greedy(seqs, [st.constraint for st in states], self.eos_token_ids,
+                                                  [st.forced_token() for st in states])
         if greedy:
             # argmax inside the step: no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
             result = self.runner.forward_greedy(inp)
@@ -293,7 +345,6 @@ class LLMEngine:
         rows = p.rows
         if p.greedy:
             toks_all = np.asarray(p.result)
-            skip_rows(p.s_pad)
             for r in rows:
                 sampled[sched[r].seq.seq_id] = int(toks_all[r])
         else:
@@ -314,6 +365,8 @@ class LLMEngine:
                 continue  # gone, or finished before this (lookahead) step's token was appended
             tok = sampled[seq.seq_id]
             self.stats_counters["generation_tokens"] += 1
+            if st.thought is not None:
+                st.thought.advance(tok)
             if st.constraint is not None and not st.constraint.is_done():
                 st.constraint.advance(tok)
                 if st.constraint.is_done() and not seq.is_finished:
@@ -325,8 +378,10 @@ class LLMEngine:
         return outputs
 
     def _sample(self, logits: jax.Array, seqs: list[Sequence], rows: list[int]):
+        states = [self._reqs[s.request_id] for s in seqs]
         batch = SamplerBatch.build(seqs, rows, logits.shape[0], self.model_config.vocab_size,
-                                   [self._reqs[s.request_id].constraint for s in seqs], self.eos_token_ids)
+                                   [st.constraint for st in states], self.eos_token_ids,
+                                   [st.forced_token() for st in states])
         return sample_step(logits, batch)
 
     def _emit(self, st: _ReqState) -> RequestOutput:
@@ -352,7 +407,8 @@ class LLMEngine:
         lps = st.logprobs[-len(new_ids):] if (params.logprobs is not None and new_ids) else None
         out = RequestOutput(seq.request_id, seq.prompt_token_ids, list(out_ids), list(new_ids), delta, st.text,
                             finished, seq.finish_reason if finished else None, lps, seq.num_cached_tokens,
-                            seq.stop_reason, getattr(seq, "error", None))
+                            seq.stop_reason, getattr(seq, "error", None),
+                            st.thought.total if st.thought is not None else 0)
         if finished:
             self._reqs.pop(seq.request_id, None)
         return out

@@ -23,7 +23,6 @@ from jax import lax
 from gemmajax.engine.sampling_params import SamplingParams
 
 _BLOCK = 512  # tokens per block of the two-level argmax / inverse-CDF draw
-_UNSEEDED_BASE = (0x9E3779B9, 0x7F4A7C15)  # base key of unseeded requests (their counter differs per row)
 NEG_INF = float("-inf")
 
 
@@ -62,11 +61,10 @@ def sampling_arrays(params: Seq[SamplingParams]) -> dict[str, np.ndarray]:
     }
 
 
-def request_key_data(seeds: Seq[int | None], num_output_tokens: Seq[int], counter: int) -> tuple[np.ndarray,
-                                                                                                   np.ndarray]:
-    """Inputs of `fold_keys` for a batch: a seeded row gets fold_in(PRNGKey(seed), num_output_tokens), so it
-    draws the same tokens whatever batch it is in; an unseeded row gets fold_in(<fixed key>, counter + row).
-    The caller advances `counter` by the batch size after each step.
+def request_key_data(seeds: Seq[int], num_output_tokens: Seq[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs of `fold_keys` for a batch: row i gets fold_in(PRNGKey(seeds[i]), num_output_tokens[i]), so a
+    request draws the same tokens whatever batch it is in and whatever else the engine has served. (The engine
+    gives every unseeded request a seed of its own, drawn from the engine's seed.)
 
     Returns:
       base uint32 [B, 2] (equal to jax.random.PRNGKey(seed) for 0 <= seed < 2**32; wider seeds keep all
@@ -76,13 +74,9 @@ def request_key_data(seeds: Seq[int | None], num_output_tokens: Seq[int], counte
     base = np.empty((b, 2), np.uint32)
     data = np.empty((b,), np.uint32)
     for i, (seed, n_out) in enumerate(zip(seeds, num_output_tokens)):
-        if seed is None:
-            base[i] = _UNSEEDED_BASE
-            data[i] = (counter + i) & 0xFFFFFFFF
-        else:
-            s = seed % 2**64
-            base[i] = (s >> 32, s & 0xFFFFFFFF)
-            data[i] = n_out & 0xFFFFFFFF
+        s = int(seed) % 2**64
+        base[i] = (s >> 32, s & 0xFFFFFFFF)
+        data[i] = n_out & 0xFFFFFFFF
     return base, data
 
 

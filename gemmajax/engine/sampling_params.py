@@ -37,7 +37,10 @@ class SamplingParams:
       json_schema: constrain the output to this JSON schema (dict or JSON string).
       skip_special_tokens: drop special tokens from the detokenized text.
       grammar: internal: an llguidance grammar string (exclusive with json_schema).
-      n: number of completions for the prompt.
+      n: number of completions for the prompt (LLM.generate / LLM.chat and the server run n requests that share
+        the prompt's KV pages through the prefix cache; LLMEngine.add_request takes n == 1).
+      thinking_token_budget: the most tokens inside a thought channel (`<|channel>` ... `<channel|>`); at the
+        budget the end-of-thought token is forced (and a grammar's answer part starts). None = no limit.
       min_tokens: stop tokens / EOS are suppressed until this many tokens were generated.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -61,6 +64,7 @@ class SamplingParams:
     n: int = 1
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, lo=1)
@@ -78,6 +82,8 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, lo=0)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
 

@@ -35,6 +35,21 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float8_e4m3fn))
 _BITS = {1: jnp.dtype(jnp.uint8), 2: jnp.dtype(jnp.uint16), 4: jnp.dtype(jnp.uint32)}
 
 
+def resolve_auto(kv: str, model_dtype) -> str:
+    """The KV page dtype name for a requested `kv` and the model's activation dtype: "auto" is the model's own
+    dtype (vLLM's `--kv-cache-dtype auto`: a float32 model gets float32 pages, a bf16 one bf16); any other name
+    is checked and returned as given."""
+    if kv != "auto":
+        kv_dtype(kv)
+        return kv
+    dt = jnp.dtype(model_dtype)
+    names = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bf16"}
+    if dt not in names:
+        raise ValueError(f"kv_dtype 'auto' follows the model's dtype, but KV pages cannot be {dt}; "
+                         f"pass kv_dtype= one of 'bf16', 'float32', 'fp8_e5m2', 'fp8_e4m3'")
+    return names[dt]
+
+
 def kv_dtype(dtype: str | jnp.dtype | type) -> jnp.dtype:
     """Resolves a KV page dtype given as a name ("bf16", "fp8_e5m2", "fp8_e4m3", "float32") or a dtype."""
     if isinstance(dtype, str):

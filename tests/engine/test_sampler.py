@@ -13,9 +13,12 @@ from gemmajax.engine.sampling_params import SamplingParams
 
 
 def keys_for(n, counter=0, seeds=None, n_out=None):
+    """Keys of n rows; a None seed stands for an unseeded request: seed 2**40 + counter + row (the engine draws
+    such seeds per request)."""
     seeds = [None] * n if seeds is None else seeds
+    seeds = [(1 << 40) + counter + i if s is None else s for i, s in enumerate(seeds)]
     n_out = [0] * n if n_out is None else n_out
-    base, data = S.request_key_data(seeds, n_out, counter)
+    base, data = S.request_key_data(seeds, n_out)
     return S.fold_keys(jnp.asarray(base), jnp.asarray(data))
 
 
@@ -87,7 +90,7 @@ def test_seeded_rows_reproduce_in_any_batch():
     rng = np.random.default_rng(1)
     row = rng.normal(size=1000).astype(np.float32)
     other = rng.normal(size=(5, 1000)).astype(np.float32)
-    base, data = S.request_key_data([1234], [5], 0)
+    base, data = S.request_key_data([1234], [5])
     np.testing.assert_array_equal(S.fold_keys(jnp.asarray(base), jnp.asarray(data))[0],
                                   jax.random.fold_in(jax.random.PRNGKey(1234), 5))
     alone = run(row[None], keys=keys_for(1, seeds=[1234], n_out=[5])).tokens[0]

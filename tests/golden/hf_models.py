@@ -89,15 +89,18 @@ def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 1.0)
                 p.copy_(rnd(shape, 0.1))
 
 
-def build_hf(variant: str, seed: int = 0, dtype=torch.float32):
-    """Return (torch model, text config dict) for a Gemma 4 variant name or 'gemma3'."""
+def build_hf(variant: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """Return (torch model, text config dict) for a Gemma 4 variant name or 'gemma3'; `overrides` replace config
+    fields (e.g. vocab_size=262144 for the real vocabulary)."""
     if variant == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-        cfg = Gemma3TextConfig(**GEMMA3)
+        cfg = Gemma3TextConfig(**{**GEMMA3, **overrides})
         cfg._attn_implementation = "eager"
         model = Gemma3ForCausalLM(cfg)
     else:
-        kw = dict(VARIANTS[variant])
+        kw = {**VARIANTS[variant], **overrides}
+        if "vocab_size" in overrides and "vocab_size_per_layer_input" in kw:
+            kw["vocab_size_per_layer_input"] = overrides.get("vocab_size_per_layer_input", overrides["vocab_size"])
         if kw.get("model_type") == "gemma4_unified_text":
             from transformers.models.gemma4_unified import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
             kw.pop("model_type")
@@ -168,4 +171,18 @@ def save_released_layout(model, cfg: dict, path: str, shared_layers: list[int], 
               "vision_config": {"model_type": "gemma4_vision", "hidden_size": 8}, "eos_token_id": [1, 106]}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(nested, f)
+    return path
+
+
+REAL_VOCAB = 262144
+
+
+def save_real_vocab_checkpoint(path: str, gguf_file: str, variant: str = "e2b", seed: int = 0, **overrides) -> str:
+    """A tiny random `variant` over the real 262,144-token Gemma 4 vocabulary, saved with its tokenizer.model (the
+    GGUF's vocabulary with Gemma 4's special pieces), so LLM(path) and the chat template work as on a release."""
+    from gemmajax.tools.tokenizer import gguf_to_gemma4_sp
+    model, cfg = build_hf(variant, seed=seed, vocab_size=REAL_VOCAB, eos_token_id=[1, 106], **overrides)
+    save_text_checkpoint(model, cfg, path)
+    with open(os.path.join(path, "tokenizer.model"), "wb") as f:
+        f.write(gguf_to_gemma4_sp(gguf_file))
     return path
