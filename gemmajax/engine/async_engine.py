@@ -78,11 +78,14 @@ class AsyncEngineClient:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, after: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The outputs of one generation as the engine makes them. after: a sibling choice's request id (same
+        prompt), whose prompt pages this one reuses (LLMEngine.add_request)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
-        self._post(("add", (request_id, prompt_token_ids, params)))
+        self._post(("add", (request_id, prompt_token_ids, params, after)))
         try:
             while True:
                 item = await q.get()
@@ -131,9 +134,9 @@ class AsyncEngineClient:
                 inbox, self._inbox = self._inbox, []
             for kind, payload in inbox:
                 if kind == "add":
-                    rid, ids, params = payload
+                    rid, ids, params, after = payload
                     try:
-                        eng.add_request(rid, ids, params)
+                        eng.add_request(rid, ids, params, after=after)
                     except Exception as e:  # noqa: BLE001 — a bad request fails alone
                         self._deliver(rid, e)
                 else:

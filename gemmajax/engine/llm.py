@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence as Seq
+from typing import Any
 
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from gemmajax.engine.sampling_params import SamplingParams
@@ -124,11 +124,14 @@ class LLM:
                 rids.append(rid)
             groups.append(rids)
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[dict]] = {}   # an output's logprobs are those of its new tokens: gather them
         want = sum(len(g) for g in groups)
         while len(final) < want:
             for out in self.engine.step():
+                if out.logprobs:
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs)
                 if out.finished:
-                    final[out.request_id] = out
+                    final[out.request_id] = dataclasses.replace(out, logprobs=logprobs.pop(out.request_id, None))
         return [[final[r] for r in g] for g in groups]
 
     # ------------------------------------------------------------------ chat

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gemmajax.config import ModelConfig

@@ -8,7 +8,6 @@ import functools
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gemmajax.engine import sampler

@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -164,18 +163,6 @@ def open_checkpoint(ckpt: str | os.PathLike) -> Checkpoint:
     infos = index_checkpoint(ckpt)
     return Checkpoint(cfg, hf, list(infos), lambda n: infos[n].shape, lambda n: load_tensor(infos[n]),
                       sum(i.nbytes for i in infos.values()), ckpt, "hf")
-
-
-def load_weights(ckpt: str | os.PathLike, dtype="bfloat16", quantize: Callable | None = None,
-                 progress: bool | None = None) -> tuple[ModelConfig, gemma.Weights, Checkpoint]:
-    c = open_checkpoint(ckpt)
-    prefix = plan_tensors(c.config, c.names, c.shape_of)
-    if c.kind == "compressed-tensors":
-        from gemmajax.model.compressed_tensors import build_compressed
-        return c.config, build_compressed(c, prefix, dtype, quantize=quantize, progress=progress), c
-    w = build_from_getter(c.config, c.read, prefix, dtype, quantize=quantize, progress=progress,
-                          total_bytes=c.total_bytes)
-    return c.config, w, c
 
 
 class Model:
