@@ -188,6 +188,20 @@ def strip_thinking(text: str) -> str:
 # Built-in renderers
 # ---------------------------------------------------------------------------------------------------
 
+def _check_text_only(messages: Sequence[Mapping]) -> None:
+    """Image and audio parts are refused, never dropped: no media encoder serves requests yet, and a checkpoint's
+    jinja template would otherwise render the conversation without the picture (the model answering as if none
+    had been sent)."""
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, (list, tuple)):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                if kind != "text":
+                    raise ChatTemplateError(f"messages.{i}.content.{j}: content part of type {kind!r} is not "
+                                            f"supported: this build serves text only (no image or audio encoder)")
+
+
 def _text_of(content: Any, where: str, joiner: str = "") -> str:
     """Text of message content: a string, or a list of {"type": "text", "text": ...} parts (each trimmed)."""
     if content is None:
@@ -417,6 +431,7 @@ class ChatTemplate:
         """The prompt text for `messages` (OpenAI-style dicts), starting with the BOS token."""
         if not messages:
             raise ChatTemplateError("messages is empty")
+        _check_text_only(messages)
         if self._compiled is not None:
             try:
                 return self._compiled.render(

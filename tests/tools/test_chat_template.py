@@ -228,3 +228,18 @@ def test_checkpoint_chat_template_jinja_is_used(tmp_path):
     assert render_chat(msgs, chat_template="{{ messages | length }}") == "2"
     with pytest.raises(Exception, match="unsafe|not safely|immutable|append"):
         render_chat(msgs, chat_template="{{ messages.append(1) }}")
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_media_parts_are_refused_not_dropped(part):
+    """A jinja template that renders text parts only would silently drop the picture; the render refuses it,
+    naming the part, with the checkpoint's template and the built-in one alike."""
+    drop_media = ("{{ bos_token }}{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+                  "{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    for tpl in (ChatTemplate("gemma4", "small", drop_media), ChatTemplate("gemma4", "small")):
+        with pytest.raises(ChatTemplateError, match=rf"messages\.0\.content\.1: content part of type '{part['type']}'"):
+            tpl.render(msgs)
+    assert ChatTemplate("gemma4", "small", drop_media).render([
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]) == "<bos>Hi"
