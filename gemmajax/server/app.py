@@ -10,7 +10,9 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import re
 import secrets
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -24,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gemmajax.server.metrics import CONTENT_TYPE, ServerMetrics
+from gemmajax.server.metrics import CONTENT_TYPE, ServerMetrics, stats_fields
 from gemmajax.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -32,6 +34,7 @@ from gemmajax.server.protocol import (
     ModelCard,
     ModelList,
     parse_request,
+    short_repr,
     unknown_fields,
 )
 from gemmajax.server.serving_chat import ChatServing
@@ -40,6 +43,7 @@ from gemmajax.server.serving_completion import CompletionServing
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in metrics and logs
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
 class EngineClient(Protocol):
@@ -87,6 +91,92 @@ _TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error", 429: "ra
 def http_error(status: int, message: str, **kw: Any) -> APIError:
     kind = "server_error" if status >= 500 else _TYPE_BY_STATUS.get(status, "invalid_request_error")
     return APIError(status, message, type=kind, **kw)
+
+
+# --------------------------------------------------------------------------------------------- request bodies
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes: from Content-Length before
+    reading anything, else (chunked) while counting the bytes as they stream in, so no more than `limit` bytes
+    of a body are ever held."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _too_large(f"is {int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"exceeds {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(what: str, limit: int) -> APIError:
+    return APIError(413, f"the request body {what}, more than this server's limit of {limit} bytes "
+                         f"(--max-request-bytes); send a shorter request", code="request_too_large")
+
+
+_BAD_TEXT = re.compile("[\ud800-\udfff]")  # lone surrogates: from \u escapes, or invalid UTF-8 (surrogateescape)
+
+
+def decode_json(raw: bytes) -> Any:
+    """The JSON value of a UTF-8 body, or APIError(400) saying what is wrong and, for bad text, in which field.
+
+    Bytes that are not UTF-8 are decoded with surrogateescape, so the parse still succeeds and the string that
+    holds them can be named; lone UTF-16 surrogates from `\\u` escapes are refused the same way, since no
+    tokenizer or JSON encoder downstream can handle them."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        raw.decode("utf-8")
+        utf8_error = None
+    except UnicodeDecodeError as e:
+        utf8_error = f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
+    text = raw.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        note = f"; the body also holds {utf8_error}" if utf8_error else ""
+        raise APIError(400, f"malformed JSON body: {e}{note}") from None
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply: lists and objects may nest a few hundred levels, "
+                            f"not {sys.getrecursionlimit()} or more") from None
+    except ValueError:  # not a syntax error: an integer of more digits than int() accepts
+        raise APIError(400, f"the JSON body holds an integer of more than {sys.get_int_max_str_digits()} digits") \
+            from None
+    bad = _find_bad_text(body)
+    if bad is not None:
+        path, value = bad
+        m = _BAD_TEXT.search(value)
+        if utf8_error is not None:
+            why = f"the body is not valid UTF-8: {utf8_error}"
+        else:
+            why = f"it holds a lone UTF-16 surrogate \\u{ord(m.group()):04x} (a \\u escape of a high surrogate " \
+                  f"must be followed by one of a low surrogate)"
+        raise APIError(400, f"{path or 'body'}: a string is not valid Unicode text: {why}", param=path or None)
+    return body
+
+
+def _find_bad_text(body: Any) -> tuple[str, str] | None:
+    """(dotted path, text) of the first string or key holding a lone surrogate, or None. Iterative: the JSON
+    parser already bounded the depth, and this walk must not add a recursion of its own."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), body)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if _BAD_TEXT.search(node):
+                return ".".join(_printable(p) for p in path), node
+        elif isinstance(node, dict):
+            for k in node:
+                if _BAD_TEXT.search(k):
+                    return ".".join(_printable(p) for p in (*path, k)), k
+            stack.extend(((*path, k), v) for k, v in reversed(node.items()))  # popped in document order
+        elif isinstance(node, list):
+            stack.extend(((*path, str(i)), node[i]) for i in reversed(range(len(node))))
+    return None
+
+
+def _printable(part: str) -> str:
+    return _BAD_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", short_repr(part, 60, quote=False))
 
 
 class ClientDisconnected(Exception):
@@ -209,17 +299,21 @@ class MetricsMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1/* when the server was started with an API key."""
+    """`Authorization: Bearer <key>` on every route but /health (unknown routes too, so that a client without the
+    key learns nothing about the server) when the server was started with an API key."""
+
+    OPEN = frozenset({"/health"})
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.api_key and scope["type"] == "http" and scope["path"] not in self.OPEN:
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            # bytes: compare_digest refuses str with non-ASCII characters, which any client can send
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
                 what = "no API key was given" if not auth else "the API key is not valid"
                 err = http_error(401, f"{what}: send `Authorization: Bearer <key>` with the server's --api-key",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -233,50 +327,59 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+def engine_stats(engine: EngineClient) -> dict[str, float]:
+    """engine.stats() as numbers, with `kv_pages_used` (pages held by requests, every KV group) added from the
+    engine's block manager when the stats lack it (AsyncEngineClient's EngineStats does not carry it yet)."""
+    fields = stats_fields(engine.stats())
+    bm = getattr(getattr(engine, "engine", None), "block_manager", None)
+    if "kv_pages_used" not in fields and bm is not None:
+        fields["kv_pages_used"] = float(sum(bm.num_usable_pages(g) - bm.num_free_pages(g)
+                                            for g in range(len(bm.groups))))
+    return fields
+
+
 def build_app(engine_client: EngineClient, *, api_key: str | None = None, max_queue: int = 256,
-              sampling_params_cls: Callable[..., Any] | None = None) -> Starlette:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, sampling_params_cls: Callable[..., Any] | None = None
+              ) -> Starlette:
     """The OpenAI-compatible app over `engine_client`.
 
     Args:
       engine_client: the engine (EngineClient protocol above).
       api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (else 401).
       max_queue: generation requests held at once (running + waiting); more get 429 with Retry-After.
+      max_request_bytes: the largest request body accepted; a larger one gets 413 before it is read.
       sampling_params_cls: the SamplingParams class (default gemmajax.engine.sampling_params.SamplingParams).
     """
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     engine = engine_client
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(lambda: engine_stats(engine))
     slots = RequestSlots(max_queue, metrics)
     chat = ChatServing(engine, metrics, sampling_params_cls=sampling_params_cls)
     completion = CompletionServing(engine, metrics, sampling_params_cls=sampling_params_cls)
 
     async def read_json(request: Request, model_cls: type[BaseModel]) -> Any:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}" if raw.strip() else "the request body is empty; "
-                                "send a JSON object") from None
+        body = decode_json(await read_body(request, max_request_bytes))
         req = parse_request(model_cls, body)
         extra = unknown_fields(model_cls, body)
         if extra:
-            logger.warning("ignoring unknown request fields %s on %s", extra, request.url.path)
+            logger.warning("ignoring unknown request fields %s on %s", [short_repr(k, 40) for k in extra[:10]],
+                           request.url.path)
         return req
 
     async def generate(request: Request, model_cls: type[BaseModel], serving: Any) -> Response:
+        release = None
+        streaming = False
         try:
             req = await read_json(request, model_cls)
             release = slots.acquire()
-        except APIError as e:
-            return error_response(e)
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
-        streaming = False
-        try:
             result = await until_disconnect(request.receive, serving.create(req))
             if isinstance(result, BaseModel):
                 return json_response(result)
             streaming = True
             return EventStreamResponse(result, on_close=release)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
         except ClientDisconnected:
             logger.info("client disconnected before the response to %s was ready", request.url.path)
             return Response(status_code=CLIENT_CLOSED)
@@ -284,9 +387,9 @@ def build_app(engine_client: EngineClient, *, api_key: str | None = None, max_qu
             return error_response(e)
         except Exception as e:
             logger.exception("request to %s failed", request.url.path)
-            return error_response(http_error(500, f"the engine failed: {type(e).__name__}: {e}"))
+            return error_response(http_error(500, f"the request failed: {type(e).__name__}: {e}"))
         finally:
-            if not streaming:
+            if release is not None and not streaming:
                 release()
 
     async def chat_completions(request: Request) -> Response:
@@ -357,4 +460,5 @@ def build_app(engine_client: EngineClient, *, api_key: str | None = None, max_qu
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.slots = slots
+    app.state.max_request_bytes = max_request_bytes
     return app

@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_positive, default=None, help="token budget of one step")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: from ckpt)")
     p.add_argument("--api-key", default=os.environ.get("GEMMAJAX_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $GEMMAJAX_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $GEMMAJAX_API_KEY)")
     p.add_argument("--max-queue", type=_positive, default=256,
-                   help="requests held at once (running + waiting); more get HTTP 429")
+                   help="requests held at once (running + waiting); more get HTTP 429 with Retry-After")
+    p.add_argument("--max-request-bytes", type=_positive, default=16 << 20,
+                   help="largest request body accepted (default 16 MiB); a larger one gets HTTP 413 unread")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--precompile", action="store_true",
                    help="compile every step shape before serving, so no request waits for a compile (minutes on a "
@@ -144,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngineClient.from_args(args)
-    app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue)
+    app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_request_bytes=args.max_request_bytes)
     run_server(app, host=args.host, port=args.port, log_level=args.log_level,
                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     return 0

@@ -26,15 +26,20 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 2.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
-# EngineStats field -> (metric name, help). Other numeric fields are exported as gemmajax_engine_<field>.
+# EngineStats field -> (metric name, help), always exported. Other numeric fields are exported as
+# gemmajax_engine_<field>, except those of _OPTIONAL_GAUGES, which get their own names when the stats have them.
 _ENGINE_GAUGES = {
     "num_running": ("gemmajax_num_requests_running", "Requests the engine is running now."),
     "num_waiting": ("gemmajax_num_requests_waiting", "Requests waiting in the engine's queue."),
     "kv_cache_usage": ("gemmajax_kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)."),
 }
+_OPTIONAL_GAUGES = {
+    "kv_pages_used": ("gemmajax_kv_cache_pages_used", "KV cache pages held by requests, all KV groups together."),
+}
 
 
-def _stats_fields(stats: Any) -> dict[str, float]:
+def stats_fields(stats: Any) -> dict[str, float]:
+    """The numeric fields of an EngineStats-like object (dataclass, dict or plain object)."""
     if dataclasses.is_dataclass(stats):
         items = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
     elif isinstance(stats, dict):
@@ -53,12 +58,15 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
-            fields = _stats_fields(self._stats_fn())
+            fields = stats_fields(self._stats_fn())
         except Exception:  # a failing engine must not break /metrics
             logger.exception("engine.stats() failed while collecting metrics")
             return
         for key, (name, doc) in _ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=fields.pop(key, 0.0))
+        for key, (name, doc) in _OPTIONAL_GAUGES.items():
+            if key in fields:
+                yield GaugeMetricFamily(name, doc, value=fields.pop(key))
         for key, value in sorted(fields.items()):
             yield GaugeMetricFamily(f"gemmajax_engine_{key}", f"EngineStats.{key}", value=value)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -36,8 +36,11 @@ def now() -> int:
     return int(time.time())
 
 
+INT32_MAX = 2**31 - 1
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------- chat messages
@@ -48,7 +51,8 @@ class ContentPart(_Request):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
-            raise ValueError(f"gemmajax serves a text-only model: content part type must be 'text', got {self.type!r}")
+            raise ValueError(f"gemmajax serves a text-only model: content part type must be 'text', "
+                             f"got {short_repr(self.type)}")
         if self.text is None:
             raise ValueError("a text content part needs `text`")
         return self
@@ -143,11 +147,11 @@ class _SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # the sampler holds top_k in int32
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # SamplingParams' range
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=128)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -187,7 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _thinking_is_bool(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None and "enable_thinking" in v and not isinstance(v["enable_thinking"], bool):
             raise ValueError(f"chat_template_kwargs.enable_thinking must be a boolean, "
-                             f"got {type(v['enable_thinking']).__name__} {v['enable_thinking']!r}")
+                             f"got {type(v['enable_thinking']).__name__} {short_repr(v['enable_thinking'])}")
         return v
 
     def check(self) -> None:
@@ -201,8 +205,8 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
-                raise APIError(400, f"tool_choice names function {self.tool_choice.function.name!r}, "
-                                    f"which is not among the tools {names}", param="tool_choice")
+                raise APIError(400, f"tool_choice names function {short_repr(self.tool_choice.function.name)}, "
+                                    f"which is not among the tools {short_repr(names, 200)}", param="tool_choice")
 
     def _tool_choice_str(self) -> str:
         tc = self.tool_choice
@@ -337,8 +341,9 @@ class ModelList(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- validation
-# pydantic puts union-member tags ("str", "list[int]", "function-after[...]") into error locations; drop them.
-_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# pydantic puts union-member tags ("str", "list[int]", "function-after[...]", a model's class name such as
+# "NamedToolChoice") into error locations; drop them. Every field name of the API is lower case.
+_FIELD = re.compile(r"^[a-z_][A-Za-z0-9_]*$")
 _TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple", "literal", "json-or-python"}
 
 
@@ -354,26 +359,33 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
     try:
         request = model_cls.model_validate(body)
     except ValidationError as e:
-        seen: dict[str, str] = {}
-        # The deepest location first: for a union, the member that got furthest says what is wrong.
+        # loc -> (what each union member wanted, what was given). The deepest location first: for a union, the
+        # member that got furthest says what is wrong; members that failed at the same place are all listed.
+        seen: dict[str, tuple[list[str], str | None]] = {}
         for err in sorted(e.errors(include_url=False), key=lambda err: -len(_clean_loc(err["loc"]).split("."))):
-            loc = _clean_loc(err["loc"])
+            wants, got = seen.setdefault(_clean_loc(err["loc"]), ([], None))
             if err["type"] == "value_error":  # our own messages already say what they got
-                text = err["msg"].removeprefix("Value error, ")
+                want = err["msg"].removeprefix("Value error, ")
             else:
-                text = f"{err['msg']} (got {_short(err.get('input'))})"
-            seen.setdefault(loc, f"{loc or 'body'}: {text}")
+                want = err["msg"]
+                if got is None:
+                    seen[_clean_loc(err["loc"])] = (wants, short_repr(err.get("input")))
+            if want not in wants:
+                wants.append(want)
+        parts = [f"{loc or 'body'}: {' / '.join(wants)}" + (f" (got {got})" if got is not None else "")
+                 for loc, (wants, got) in list(seen.items())[:4]]
         first = next(iter(seen))
-        raise APIError(400, "invalid request: " + "; ".join(list(seen.values())[:4]), param=first or None) from None
+        raise APIError(400, "invalid request: " + "; ".join(parts), param=first or None) from None
     check = getattr(request, "check", None)
     if check is not None:
         check()
     return request
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def short_repr(value: Any, limit: int = 80, quote: bool = True) -> str:
+    """repr(value) (str(value) with quote=False) cut to `limit` characters, for echoing input in messages."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def unknown_fields(model_cls: type[BaseModel], body: dict[str, Any]) -> list[str]:

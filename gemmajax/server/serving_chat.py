@@ -81,13 +81,14 @@ class ChatServing(ServingBase):
                 calls = []
                 for j, tc in enumerate(m.tool_calls):
                     args = tc.function.arguments
+                    where = f"messages.{i}.tool_calls.{j}.function.arguments"
                     if isinstance(args, str):
                         try:
                             args = json.loads(args) if args.strip() else {}
-                        except json.JSONDecodeError as e:
-                            where = f"messages.{i}.tool_calls.{j}.function.arguments"
-                            raise APIError(400, f"{where} must be a JSON object string, got {args[:80]!r} ({e})",
-                                           param=where) from e
+                        except (ValueError, RecursionError) as e:  # also too deep, or an int of too many digits
+                            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+                            raise APIError(400, f"{where} must be a JSON object string, got {args[:80]!r} ({reason})",
+                                           param=where) from None
                         if not isinstance(args, dict):
                             raise APIError(400, f"{where} must encode a JSON object, got {type(args).__name__}",
                                            param=where)

@@ -29,6 +29,7 @@ from gemmajax.server.protocol import (
     UsageInfo,
     now,
     random_id,
+    short_repr,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Choice:
     params: Any
     count_prompt: bool = True  # count the prompt's tokens in metrics/usage once per prompt, not once per choice
     grammar_param: str | None = None  # the request field a grammar came from, to name it when it fails
+    prompt_param: str | None = None  # the request field the prompt came from, to name it when the engine refuses it
     last: Any = None  # the latest RequestOutput
     logprobs: list[dict] = field(default_factory=list)
 
@@ -121,8 +123,8 @@ class ServingBase:
     def check_model(self, name: str | None) -> str:
         served = self.engine.model_name
         if name is not None and name != served:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", param="model",
-                           code="model_not_found")
+            raise APIError(404, f"the model {short_repr(name)} does not exist; this server serves {served!r}",
+                           param="model", code="model_not_found")
         return served
 
     def room_for_output(self, prompt_len: int, param: str) -> int:
@@ -200,7 +202,10 @@ class ServingBase:
         except ValueError as e:
             if choice.last is not None:
                 raise
-            param = choice.grammar_param if type(e).__name__ == "GrammarError" else None
+            if type(e).__name__ == "GrammarError":
+                param = choice.grammar_param
+            else:  # the engine's own checks at admission are of the prompt (empty, token ids outside the vocabulary)
+                param = choice.prompt_param if "prompt" in str(e) else None
             raise APIError(400, f"the engine rejected the request: {type(e).__name__}: {e}", param=param) from e
         finally:
             with anyio.CancelScope(shield=True):
@@ -234,7 +239,10 @@ class ServingBase:
         if tok is None:
             raise APIError(400, "this server cannot decode token-id prompts (the engine offers no tokenizer)",
                            param=param)
-        return tok.decode(token_ids)
+        try:
+            return tok.decode(token_ids)
+        except (ValueError, IndexError, OverflowError) as e:  # an id outside the vocabulary
+            raise APIError(400, f"{param} cannot be decoded: {e}", param=param) from e
 
     @staticmethod
     def usage(choices: list[Choice]) -> UsageInfo:
@@ -271,6 +279,8 @@ class CompletionServing(ServingBase):
 
         rid = random_id("cmpl")
         choices = self.make_choices(rid, prompt_ids, params_for, req.n, req.seed)
+        for c in choices:
+            c.prompt_param = "prompt" if len(prompts) == 1 else f"prompt.{c.index // req.n}"
         echo = [prompt_texts[c.index // req.n] if req.echo else "" for c in choices]
         if req.stream:
             return self._stream(req, rid, model, choices, echo)

@@ -56,6 +56,7 @@ class FakeStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int = 0
+    kv_pages_used: int = 7
 
 
 class FakeEngineClient:

@@ -28,13 +28,13 @@ def test_serve_flags_and_defaults() -> None:
                                                                               "bfloat16")
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (8192, 64, None)
     assert args.enable_prefix_caching is True and args.ckpt is None and args.served_model_name is None
-    assert args.precompile is False
+    assert args.precompile is False and args.max_request_bytes == 16 << 20 and args.max_queue == 256
     args = cli.build_parser().parse_args(
         ["serve", "--ckpt", "m.gguf", "--quant", "w8a8+emb8", "--kv-dtype", "fp8_e5m2", "--port", "9000",
          "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--served-model-name", "g", "--api-key", "k", "--max-queue", "3", "--no-enable-prefix-caching",
-         "--precompile"])
-    assert args.precompile is True
+         "--precompile", "--max-request-bytes", "1000"])
+    assert args.precompile is True and args.max_request_bytes == 1000
     assert (args.ckpt, args.quant, args.kv_dtype, args.port, args.max_model_len, args.max_num_seqs) == (
         "m.gguf", "w8a8+emb8", "fp8_e5m2", 9000, 4096, 8)
     assert (args.max_num_batched_tokens, args.served_model_name, args.api_key, args.max_queue) == (512, "g", "k", 3)
@@ -44,7 +44,8 @@ def test_serve_flags_and_defaults() -> None:
 @pytest.mark.parametrize("argv", [["serve", "--quant", "int3"], ["serve", "--quant", "w8a8+emb3"],
                                   ["serve", "--kv-dtype", "fp16"], ["aot", "--model", "7b", "--chip", "v5e"],
                                   ["aot", "--model", "e2b", "--chip", "v4"], ["quantize", "--ckpt", "x"],
-                                  ["generate"], ["serve", "--max-num-seqs", "0"]])
+                                  ["generate"], ["serve", "--max-num-seqs", "0"],
+                                  ["serve", "--max-request-bytes", "0"], ["serve", "--max-queue", "-1"]])
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -90,11 +91,12 @@ def test_serve_builds_engine_and_app(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "run_server", lambda app, **kw: got.update(app=app, **kw))
     monkeypatch.setattr(cli.logging, "basicConfig", lambda **kw: None)
     monkeypatch.setenv("GEMMAJAX_API_KEY", "envkey")
-    assert cli.main(["serve", "--port", "8123", "--served-model-name", "served", "--max-queue", "5"]) == 0
+    assert cli.main(["serve", "--port", "8123", "--served-model-name", "served", "--max-queue", "5",
+                     "--max-request-bytes", "2048"]) == 0
     assert got["args"].served_model_name == "served" and got["args"].api_key == "envkey"
     assert (got["host"], got["port"], got["timeout_graceful_shutdown"]) == ("127.0.0.1", 8123, 30.0)
     app = got["app"]
-    assert app.state.slots.limit == 5
+    assert app.state.slots.limit == 5 and app.state.max_request_bytes == 2048
     with running_server(app) as url:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import json
+import logging
 import re
+import select
+import socket
 import time
 
 import httpx
@@ -91,19 +93,94 @@ def test_prompt_too_long_and_capped(client: openai.OpenAI, engine: FakeEngineCli
 
 
 def test_api_key() -> None:
+    """With --api-key every route but /health answers 401 in OpenAI's shape: the API, /metrics, unknown routes
+    and wrong methods too (a client without the key learns nothing); a garbage key (non-ASCII bytes) too."""
     engine = FakeEngineClient()
     with running_server(make_app(engine, api_key="s3cret")) as url:
-        for key in ("wrong", None):
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            err = _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, headers=headers), 401)
-            assert err["code"] == "invalid_api_key"
+        routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
+                  ("POST", "/v1/completions"), ("GET", "/v1/nope"), ("GET", "/nope"), ("GET", "/"),
+                  ("GET", "/v1/chat/completions"), ("POST", "/health/")]
+        for method, route in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                            {"Authorization": "Basic s3cret"}, {"Authorization": b"Bearer s3cr\xe9t"}):
+                r = httpx.request(method, f"{url}{route}", json={"messages": USER}, headers=headers)
+                err = _error(r, 401)
+                assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error", (route, err)
+                assert "--api-key" in err["message"] and r.headers["www-authenticate"] == "Bearer"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert ok.chat.completions.create(model="fake-gemma", messages=USER).choices[0].message.content
-        assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
-        assert httpx.get(f"{url}/metrics").status_code == 200
-        assert not engine.aborted
+        assert ok.completions.create(model="fake-gemma", prompt="x").choices[0].text
+        auth = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
+        assert _error(httpx.get(f"{url}/v1/nope", headers=auth), 404)["type"] == "not_found_error"
+        assert httpx.get(f"{url}/health").status_code == 200  # the one open route (load balancers probe it)
+        assert len(engine.calls) == 2 and not engine.aborted  # no unauthorized request reached the engine
+
+
+def test_body_over_the_limit_is_413_before_it_is_read() -> None:
+    limit = 1 << 20
+    engine = FakeEngineClient(max_model_len=1 << 30)
+    with running_server(make_app(engine, max_request_bytes=limit)) as url:
+        assert make_app(engine).state.max_request_bytes == 16 << 20  # the default
+        host, port = url.removeprefix("http://").split(":")
+        # 1. Content-Length says too much: answered at once, though not one byte of the body is ever sent
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % (1 << 30))
+            status, body = _read_response(sock)
+        assert status == 413, body
+        err = json.loads(body)["error"]
+        assert err["code"] == "request_too_large" and f"{1 << 30} bytes" in err["message"]
+        assert str(limit) in err["message"] and "--max-request-bytes" in err["message"]
+        # 2. chunked, no length: the server counts as the bytes stream in and answers while the client is still
+        # sending (it never sends the final chunk, so a server that read the whole body first would never answer)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            piece = b"%x\r\n%s\r\n" % (64 << 10, b"x" * (64 << 10))
+            sent = 0
+            while sent < 256 * limit and not select.select([sock], [], [], 0)[0]:
+                try:
+                    sock.sendall(piece)
+                except OSError:  # the server answered and closed: the response is waiting to be read
+                    break
+                sent += 64 << 10
+            assert sent < 256 * limit, "no answer while 256 MiB streamed in"
+            status, body = _read_response(sock)
+        assert status == 413, body
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+        # 3. httpx sending too much, with a length and chunked; then at the limit exactly, which is accepted
+        big = json.dumps({"prompt": "x" * limit}).encode()
+        assert _error(httpx.post(f"{url}/v1/completions", content=big), 413)["code"] == "request_too_large"
+        assert _error(httpx.post(f"{url}/v1/completions", content=iter([big[:1000], big[1000:]])), 413)
+        ok = json.dumps({"prompt": "y" * (limit - 100)}).encode()
+        ok += b" " * (limit - len(ok))
+        for content in (ok, iter([ok[:5000], ok[5000:]])):
+            r = httpx.post(f"{url}/v1/completions", content=content, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello there!", r.text[:300]
+        text = httpx.get(f"{url}/metrics").text
+        assert _metric(text, "gemmajax_requests_total", '{endpoint="/v1/chat/completions",status="413"}') == 1
+        assert _metric(text, "gemmajax_requests_total", '{endpoint="/v1/completions",status="413"}') == 3
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        make_app(engine, max_request_bytes=0)
+
+
+def _read_response(sock: socket.socket) -> tuple[int, str]:
+    """Status and body of one HTTP/1.1 response with a Content-Length, read from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-response"
+        body += chunk
+    return int(head.split()[1]), body[:length].decode()
 
 
 def test_queue_full_gives_429() -> None:
@@ -203,6 +280,7 @@ def test_metrics(base_url: str, client: openai.OpenAI, engine: FakeEngineClient)
     assert _metric(text, "gemmajax_num_requests_waiting") == 0
     assert _metric(text, "gemmajax_kv_cache_usage_perc") == 0.25
     assert _metric(text, "gemmajax_engine_num_preemptions") == 2
+    assert _metric(text, "gemmajax_kv_cache_pages_used") == 7
     assert _metric(text, "gemmajax_server_requests_in_flight") == 0
 
 
@@ -223,7 +301,8 @@ def test_engine_rejections_are_400(base_url: str, client: openai.OpenAI, engine:
     from types import SimpleNamespace
 
     fake = SimpleNamespace(json_schema_grammar=lambda schema: "G", thinking_then=lambda g: g,
-                           json_object_grammar=lambda: "G", tool_call_grammar=lambda *a, **k: "G", GrammarError=GrammarError)
+                           json_object_grammar=lambda: "G", tool_call_grammar=lambda *a, **k: "G",
+                           GrammarError=GrammarError)
     old = sys.modules.get("gemmajax.tools.constrained")
     sys.modules["gemmajax.tools.constrained"] = fake
     try:
