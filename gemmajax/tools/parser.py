@@ -2,8 +2,10 @@
 
 Design: one streaming state machine (`Gemma4StreamParser`) consumes text only once its meaning is certain (a
 possible partial special tag at the end of a piece is held back), and `parse_gemma4` runs the same machine over the
-whole text and joins its deltas, so streaming and one-shot results agree by construction for any split. A tool call's
-name is emitted as soon as its `{` arrives; its arguments are emitted as one JSON delta when the call closes.
+whole text and joins its deltas, so streaming and one-shot results agree by construction for any split. A tool call
+is emitted (a delta with its name, then one with its whole arguments JSON) only once it is complete, because only
+then is it certain to be a call at all: a call cut off by max_tokens or broken off by a stop tag is never shown as
+one (see below).
 
 Format (gemma4-architecture.md section 7): `<|channel>thought\\n...<channel|>` is reasoning, and
 `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3,b:true,xs:[...]}<tool_call|>` is a tool call.
@@ -14,10 +16,15 @@ Choices where the format leaves room, each tested in tests/tools/test_parser.py:
   Reasoning ends at `<channel|>`, at `<|tool_call>`, or at a stop tag (`<turn|>`, `<eos>`, `<|tool_response>`).
 - Whitespace-only content is dropped (content is "" then, or None when there are tool calls); whitespace-only
   reasoning gives reasoning_content None. Otherwise text is kept byte for byte (no strip).
-- A tool call also ends at `<turn|>`, `<eos>`, `<|tool_response>`, another `<|tool_call>` or the end of the text
-  when `<tool_call|>` is missing (best effort: the arguments read so far are kept). `<|tool_call>:NAME{` (no `call`)
-  and `<|tool_call>NAME{` are accepted; `<|tool_call>call:NAME<tool_call|>` is a call with `{}` arguments. A header
-  that cannot be a call (e.g. `<|tool_call>` followed by prose) is given back to the content without the tag.
+- A tool call is complete when its argument object closes (the `}` matching its `{`; a missing `<tool_call|>`
+  after it is forgiven, the arguments are whole) or, without arguments, at `<tool_call|>`
+  (`<|tool_call>call:NAME<tool_call|>` is a call with `{}` arguments). A call that is not complete when the text
+  ends (max_tokens), or when a stop tag (`<turn|>`, `<eos>`, `<|tool_response>`), another `<|tool_call>` or any other
+  special tag outside a string breaks it off, is dropped: no tool call, and its text is not shown as content
+  either (it is a fragment of call syntax, and repaired arguments would be a guess presented as the model's call).
+  The server reports finish_reason "length" for a cut output, so a client sees that something was cut.
+  `<|tool_call>:NAME{` (no `call`) and `<|tool_call>NAME{` are accepted. A header that cannot be a call (e.g.
+  `<|tool_call>` followed by prose) is given back to the content without the tag.
 - Inside a `<|"|>` string only `<|"|>` closes it (braces, commas, quotes, newlines and `<tool_call|>` are text); the
   stop tags `<turn|>`, `<eos>`, `<|tool_response>` end the call even there.
 - Tool call ids are `call_` + 20 alphanumerics of a per-parser prefix + the call index as 4 digits (24 characters for
@@ -218,8 +225,9 @@ class Gemma4StreamParser:
 
     Usage: one parser per response; `feed(piece)` for each detokenized piece (special tokens kept), then `close()`.
     Deltas: {"content": str}, {"reasoning_content": str}, or {"tool_calls": [{"index", "id"?, "type"?,
-    "function": {"name"?, "arguments"?}}]}. The first delta of a call carries index, id, type, name and arguments ""
-    as soon as the name is complete; the second carries the whole arguments JSON when the call closes.
+    "function": {"name"?, "arguments"?}}]}. A call comes as two deltas in the same feed, once it is complete: the
+    first carries index, id, type, name and arguments "", the second the whole arguments JSON. A call that never
+    completes yields no delta (module docstring).
 
     Args:
         reasoning: parse the thought channel into reasoning_content (else channel blocks are dropped).
@@ -236,6 +244,7 @@ class Gemma4StreamParser:
         self._buf = ""
         self._closed = False
         self._n_calls = 0
+        self._name = ""  # of the call whose arguments are being read
         self._body = ""
         self._depth = 0
         self._in_str = False
@@ -244,7 +253,7 @@ class Gemma4StreamParser:
 
     @property
     def num_tool_calls(self) -> int:
-        """Number of tool calls started so far."""
+        """Number of complete tool calls emitted so far."""
         return self._n_calls
 
     def feed(self, text_piece: str) -> list[dict]:
@@ -257,7 +266,7 @@ class Gemma4StreamParser:
         return out
 
     def close(self) -> list[dict]:
-        """End of output: flush held-back text and finish an open tool call (best effort)."""
+        """End of output: flush held-back text; a tool call still open is dropped (it was cut)."""
         if self._closed:
             return []
         out: list[dict] = []
@@ -363,30 +372,29 @@ class Gemma4StreamParser:
         if j == len(buf):
             if not final:
                 return False
-            if m:
-                self._start_call(out, m.group(1))
-                self._finish_call(out, "{}")
-            else:
+            if not _HEADER_RE.fullmatch(header + "x"):  # cannot grow into `call:NAME`: text, e.g. `a:b:c`
                 self._emit_text(out, "content", header)
-            self._buf = ""
+            self._buf = ""  # else a header cut off by the end of the text: an incomplete call, dropped
             self._state = _CONTENT
             return True
         c = buf[j]
         if c == "{" and m:
-            self._start_call(out, m.group(1))
+            self._name = m.group(1)
             self._buf = buf[j + 1 :]
             self._body, self._depth, self._in_str = "{", 1, False
             self._state = _BODY
             return True
         if c == "<":
             rest = buf[j:]
-            if SPECIAL_TAG_RE.match(rest) and m:  # `call:NAME<tool_call|>`: a call without arguments
-                self._start_call(out, m.group(1))
-                self._finish_call(out, "{}")
+            tag = SPECIAL_TAG_RE.match(rest)
+            if tag and m:
+                if tag.group() == "<tool_call|>":  # `call:NAME<tool_call|>`: a call without arguments
+                    self._emit_call(out, m.group(1), "{}")
+                # any other tag breaks the call off before its arguments: dropped; the tag is read as content's
                 self._buf = rest
                 self._state = _CONTENT
                 return True
-            if not SPECIAL_TAG_RE.match(rest) and not final and _PARTIAL_TAG_RE.fullmatch(rest):
+            if not tag and not final and _PARTIAL_TAG_RE.fullmatch(rest):
                 return False
         # Not a tool call: give the header text back to the content.
         self._emit_text(out, "content", header)
@@ -397,6 +405,7 @@ class Gemma4StreamParser:
     def _step_body(self, out: list[dict], final: bool) -> bool:
         buf, i, n = self._buf, 0, len(self._buf)
         end = None  # index in buf where the call ends (exclusive), when it ends in this step
+        closed = False  # it ends because its argument object closed (else a tag broke it off)
         while i < n:
             if self._in_str:
                 k = buf.find("<", i)
@@ -425,7 +434,7 @@ class Gemma4StreamParser:
             elif c in "}]":
                 self._depth -= 1
                 if self._depth == 0:
-                    end = i + 1
+                    end, closed = i + 1, True
                     break
             elif c == "<":
                 m = SPECIAL_TAG_RE.match(buf, i)
@@ -447,12 +456,14 @@ class Gemma4StreamParser:
             self._buf = buf[i:]
             if not final:
                 return i > 0
-        self._finish_call(out, json.dumps(parse_gemma4_args(self._body), ensure_ascii=False))
-        self._body = ""
+        if closed:
+            self._emit_call(out, self._name, json.dumps(parse_gemma4_args(self._body), ensure_ascii=False))
+        self._body = ""  # else the call was cut or broken off: dropped (module docstring)
         self._state = _CONTENT
         return True
 
-    def _start_call(self, out: list[dict], name: str) -> None:
+    def _emit_call(self, out: list[dict], name: str, arguments: str) -> None:
+        """A complete call: a delta with index, id, type and name (arguments ""), then one with the arguments."""
         index = self._n_calls
         self._n_calls += 1
         call_id = f"call_{self.id_prefix}{index:04d}"
@@ -460,9 +471,7 @@ class Gemma4StreamParser:
             {"tool_calls": [{"index": index, "id": call_id, "type": "function",
                              "function": {"name": name, "arguments": ""}}]}
         )
-
-    def _finish_call(self, out: list[dict], arguments: str) -> None:
-        out.append({"tool_calls": [{"index": self._n_calls - 1, "function": {"arguments": arguments}}]})
+        out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
 
 
 def merge_deltas(deltas: list[dict]) -> ParsedMessage:

@@ -308,22 +308,21 @@ PERSON = {
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_json_schema_random_model(vocab, llt, seed):
-    # little whitespace, so that the random walk spends its tokens on values (the default is tested below)
-    c = GrammarConstraint(llt, json_schema_grammar(PERSON, max_whitespace=2))
+    c = GrammarConstraint(llt, json_schema_grammar(PERSON))  # compact: the random walk spends its tokens on values
     ids = generate(c, vocab, random_model(vocab, seed))
     value = json.loads(vocab.text(ids))
     validate(value, PERSON)
 
 
-@pytest.mark.parametrize("max_ws,expected", [(None, 200), (32, 32), (3, 3), (0, 0)])
-def test_json_whitespace_bound(vocab, llt, max_ws, expected):
-    c = GrammarConstraint(llt, json_object_grammar(max_whitespace=max_ws))
+@pytest.mark.parametrize("whitespace,max_ws,expected", [("compact", 32, 0), ("flexible", 32, 32), ("flexible", 3, 3)])
+def test_json_whitespace_bound(vocab, llt, whitespace, max_ws, expected):
+    c = GrammarConstraint(llt, json_object_grammar(whitespace=whitespace, max_whitespace=max_ws))
     c.advance(vocab.sp.piece_to_id("{"))
     space, n = vocab.sp.piece_to_id("\u2581"), 0
     while n < 200 and c.allowed_mask()[space]:
         c.advance(space)
         n += 1
-    assert n == expected, f"max_whitespace={max_ws}: {n} spaces allowed after '{{'"
+    assert n == expected, f"whitespace={whitespace}, max_whitespace={max_ws}: {n} spaces allowed after '{{'"
     assert c.allowed_mask()[vocab.sp.piece_to_id("}")]
 
 
@@ -466,7 +465,6 @@ def test_tool_call_grammar_accepts_and_rejects(vocab, llt):
         (f"<|tool_call>call:get_weather{{city:{S}{S},days:3,unit:{S}celsius{S}}}<tool_call|>"
          "<|tool_call>call:get_time{}<tool_call|><|tool_response>"),
         alarm + "<|tool_response>",
-        f"<|tool_call>call:get_time{{k:[1,{{a:{S}x{S}}}],z:null}}<tool_call|><|tool_response>",  # free object
     ]
     bad = [
         "<|tool_call>call:get_weather{}<tool_call|><|tool_response>",  # required key missing
@@ -481,11 +479,14 @@ def test_tool_call_grammar_accepts_and_rejects(vocab, llt):
         alarm.replace("level:3", "level:4") + "<|tool_response>",  # const
         alarm.replace(f"{S}my key{S}:false,", "") + "<|tool_response>",  # required key with a wrapped name
         "Sure!<|tool_call>call:get_time{}<tool_call|><|tool_response>",  # text before the call
+        "<|tool_call>call:get_time{z:null}<tool_call|><|tool_response>",  # no parameters: no arguments (OpenAI)
     ]
     for text in ok:
         assert _accepts(llt, vocab, g, text), f"valid call rejected: {text!r}"
     for text in bad:
         assert not _accepts(llt, vocab, g, text), f"invalid call accepted: {text!r}"
+    free = tool_call_grammar([{"type": "function", "function": {"name": "log", "parameters": {"type": "object"}}}])
+    assert _accepts(llt, vocab, free, f"<|tool_call>call:log{{k:[1,{{a:{S}x{S}}}],z:null}}<tool_call|><|tool_response>")
     single = tool_call_grammar(TOOLS, "named", "get_time", parallel=False)
     assert _accepts(llt, vocab, single, "<|tool_call>call:get_time{}<tool_call|><|tool_response>")
     assert not _accepts(llt, vocab, single,
@@ -548,7 +549,7 @@ def test_string_cannot_spell_delimiter(vocab, llt):
 
 def test_rollback(vocab, llt):
     c = GrammarConstraint(llt, json_schema_grammar(PERSON))
-    ids = vocab.encode('{"name": "Al", "age": 3')
+    ids = vocab.encode('{"name":"Al","age":3')
     for t in ids[:3]:
         c.advance(t)
     before = c.allowed_mask()
@@ -563,7 +564,7 @@ def test_rollback(vocab, llt):
 def test_batch_bitmask(vocab, llt):
     a = GrammarConstraint(llt, json_object_grammar())
     b = GrammarConstraint(llt, tool_call_grammar(TOOLS))
-    for t in vocab.encode('{"k": '):
+    for t in vocab.encode('{"k":'):
         a.advance(t)
     words = (vocab.vocab_size + 31) // 32
     got = batch_bitmask([a, None, b], words)

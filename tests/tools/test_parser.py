@@ -73,14 +73,21 @@ CASES = [
     # empty thought block, label without newline
     ("<|channel>thought\n<channel|>Answer", True, "Answer", None, []),
     ("<|channel>thought<channel|>Answer", True, "Answer", None, []),
-    # missing <tool_call|>: ends at <|tool_response>, <turn|>, the next call, or the end of the text
+    # missing <tool_call|> after a closed argument object: the call is whole
     ("<|tool_call>call:f{a:1}<|tool_response>", False, None, None, [call("f", {"a": 1})]),
-    ("<|tool_call>call:f{a:1,b:[1,2<turn|>", False, None, None, [call("f", {"a": 1, "b": [1, 2]})]),
-    (f"<|tool_call>call:f{{a:{S}unterminated", False, None, None, [call("f", {"a": "unterminated"})]),
-    (f"<|tool_call>call:f{{a:{S}cut<turn|>", False, None, None, [call("f", {"a": "cut"})]),
-    ("<|tool_call>call:f{a:1<|tool_call>call:g{b:2}<tool_call|>", False, None, None,
-     [call("f", {"a": 1}), call("g", {"b": 2})]),
     ("<|tool_call>call:f{a:1}<|tool_call>call:g{}", False, None, None, [call("f", {"a": 1}), call("g", {})]),
+    # an argument object that never closes (cut by the end of the text, or broken off by a tag) is not a call,
+    # and its text is not content either; the calls around it keep their places and ids
+    ("<|tool_call>call:f{a:1,b:[1,2<turn|>", False, "", None, []),
+    (f"<|tool_call>call:f{{a:{S}unterminated", False, "", None, []),
+    (f"<|tool_call>call:f{{a:{S}cut<turn|>", False, "", None, []),
+    ("<|tool_call>call:f{a:1<|tool_call>call:g{b:2}<tool_call|>", False, None, None, [call("g", {"b": 2})]),
+    (f"Let me check.<|tool_call>call:g{{b:2}}<tool_call|><|tool_call>call:f{{city:{S}Par", False, "Let me check.",
+     None, [call("g", {"b": 2})]),
+    ("<|tool_call>call:f{a:{b:1}", False, "", None, []),
+    ("<|tool_call>call:f", False, "", None, []),  # cut in the header
+    ("<|tool_call>call:f<turn|>", False, "", None, []),  # broken off before any arguments
+    ("<|tool_call>call:f{a:1}<tool_call|>After<|tool_call>call:g{", False, "After", None, [call("f", {"a": 1})]),
     # variants of the header
     (f"<|tool_call>:lookup{{q:{S}x{S}}}<tool_call|>", False, None, None, [call("lookup", {"q": "x"})]),
     ("<|tool_call>call:get_time<tool_call|>", False, None, None, [call("get_time", {})]),
@@ -235,11 +242,12 @@ def test_stream_emits_early_and_holds_partial_tags():
     p = Gemma4StreamParser(reasoning=True, id_prefix=PFX)
     assert p.feed("Hello") == [{"content": "Hello"}]
     assert p.feed(" there <|tool") == [{"content": " there "}]  # "<|tool" held back
-    first = p.feed("_call>call:get_weather{city:")
-    assert first == [{"tool_calls": [{"index": 0, "id": f"call_{PFX}0000", "type": "function",
-                                      "function": {"name": "get_weather", "arguments": ""}}]}]
+    assert p.feed("_call>call:get_weather{city:") == []  # a call is shown only once it is complete
     assert p.feed(f"{S}Par") == []
-    assert p.feed(f"is{S}}}") == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}]
+    assert p.feed(f"is{S}}}") == [
+        {"tool_calls": [{"index": 0, "id": f"call_{PFX}0000", "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}]
     assert p.feed("<tool_call|><|tool_response>") == []
     assert p.close() == []
 
@@ -261,3 +269,41 @@ def test_stream_emits_early_and_holds_partial_tags():
     p.close()
     with pytest.raises(RuntimeError, match="after close"):
         p.feed("x")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Honest endings: a cut tool call is never reported as a complete one
+
+
+def test_cut_call_is_not_a_call():
+    """Every prefix of a text with two complete calls, cut anywhere: the calls reported are exactly the complete
+    ones (never one with repaired arguments), whole and streamed in any pieces alike."""
+    first = f"<|tool_call>call:get_weather{{city:{S}Paris, {{FR}}{S},days:3,nested:{{k:[1,2]}}}}<tool_call|>"
+    second = f"<|tool_call>call:get_time{{tz:{S}CET{S}}}<tool_call|>"
+    text = "Checking." + first + second + "<|tool_response>"
+    whole_first = text.index(first) + first.index("}<tool_call|>") + 1  # the first call's object closes here
+    whole_second = text.index(second) + second.index("}<tool_call|>") + 1
+    inside_tags = {i for m in SPECIAL_TAG_RE.finditer(text) for i in range(m.start() + 1, m.end())}
+    rng = random.Random(0)
+    for k in range(len(text) + 1):
+        if k in inside_tags:  # a special tag is one token: a cut never splits it
+            continue
+        cut = text[:k]
+        msg = parse_gemma4(cut, id_prefix=PFX)
+        names = [c["function"]["name"] for c in msg.tool_calls]
+        expected = ["get_weather"] * (k >= whole_first) + ["get_time"] * (k >= whole_second)
+        assert names == expected, f"cut at {k} ({cut[-20:]!r}): calls {names}, expected {expected}"
+        if names:
+            assert json.loads(msg.tool_calls[0]["function"]["arguments"]) == {
+                "city": "Paris, {FR}", "days": 3, "nested": {"k": [1, 2]}}
+        assert msg.content is None or "Checking.".startswith(msg.content), (
+            f"cut at {k}: call text leaked into content {msg.content!r}")
+        assert_stream_equals_parse(cut, False, split_at(cut, [rng.randrange(k + 1) for _ in range(4)]))
+        assert_stream_equals_parse(cut, False, list(cut))
+
+
+def test_cut_call_stream_emits_nothing_for_it():
+    p = Gemma4StreamParser(id_prefix=PFX)
+    deltas = p.feed(f"<|tool_call>call:f{{a:1}}<tool_call|><|tool_call>call:g{{city:{S}Paris") + p.close()
+    assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 0], deltas
+    assert p.num_tool_calls == 1
