@@ -1,6 +1,7 @@
 """The CPU-only forms chosen for speed compute what the plain forms compute: `dense_matmul_cpu` (one-row fusion and
 native bf16 GEMM behind `quant.linear`), w4a16's "bf16" chunked GEMM, the decode attention defaults, and the engine's
 in-step greedy argmax (against the sampler on the full logits)."""
+import dataclasses
 import re
 
 import jax
@@ -12,7 +13,7 @@ import gemmajax
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.sample_batch import plain_greedy
 from gemmajax.engine.sampling_params import SamplingParams
-from gemmajax.quant import linear, quantize
+from gemmajax.quant import dequantize, linear, quantize
 from gemmajax.quant.int4_matmul import int4_matmul_ref, int4_matmul_xla
 from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu
 
@@ -48,11 +49,15 @@ def test_dense_cpu_forms_match_reference(dtype, rtol, m, form):
 
 
 def test_linear_takes_the_cpu_form_with_leading_dims():
+    """bf16 x [2, 3, 64] through `linear` (the lowering-time CPU dispatch, reshaping the leading dims to 6 rows)
+    against the float64 product of the same bf16 operands: within the one bf16 rounding of the output. A transposed
+    weight, lost rows or a second rounding fail (out 48 != in 64, so a transposition cannot even run)."""
     x, w = _rand((2, 3, 64), bf16, 2), _rand((48, 64), bf16, 3, 0.1)
     y = jax.jit(linear)(x, w)
     assert y.shape == (2, 3, 48) and y.dtype == bf16
-    want = jax.jit(dense_matmul_cpu)(x.reshape(6, 64), w).reshape(2, 3, 48)
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    want = _ref(x.reshape(6, 64), w).reshape(2, 3, 48)
+    _close(y, want, 2.0 ** -8)
+    assert np.abs(np.asarray(y.astype(f32)) - want).max() > 0  # bf16 output: the comparison is not vacuous
     with pytest.raises(ValueError, match="form must be"):
         dense_matmul_cpu(x, w, form="rows")
 
@@ -75,46 +80,62 @@ def test_cpu_forms_make_no_float32_copy_of_a_bf16_weight(m):
 
 
 # ------------------------------------------------------------------------------------------------ w4a16
+def _int4_ref(x, w) -> np.ndarray:
+    """x @ dequantize(w).T in float64 from x as given (its bf16 values for bf16 x)."""
+    return _ref(x, dequantize(w, f32))
+
+
 @pytest.mark.parametrize("n", [200, 8192])  # one GEMM / a loop over two 4,096-row chunks
 def test_int4_bf16_form_matches_reference(n):
+    """The chunked native bf16 GEMM: bf16 x [5, 128] times the exactly dequantized bf16 weight, against float64:
+    within the one bf16 rounding of the output (the products are exact, the sum is float32)."""
     w = quantize(_rand((n, 128), bf16, 6, 0.05), "int4")
-    x = _rand((5, 128), f32, 7)
+    x = _rand((5, 128), bf16, 7)
     y = jax.jit(lambda x, w: int4_matmul_xla(x, w, form="bf16"))(x, w)
-    ref = jax.jit(int4_matmul_ref)(x, w)  # the same exact products, summed in another order
-    assert y.shape == ref.shape == (5, n)
-    _close(y, np.asarray(ref, np.float64), 1e-5)
+    assert y.shape == (5, n) and y.dtype == bf16
+    _close(y, _int4_ref(x, w), 2.0 ** -8)
+    _close(jax.jit(int4_matmul_ref)(x, w), _int4_ref(x, w), 2.0 ** -8)
 
 
-def test_int4_auto_form_by_rows():
+@pytest.mark.parametrize("dtype,rtol", [(bf16, 2.0 ** -8), (f32, 1e-5)])
+def test_int4_auto_form_by_rows(dtype, rtol):
+    """"auto" takes "rows" up to 4 rows of a small weight, then the chunked bf16 GEMM for bf16 activations and the
+    float32 GEMM ("dense") for float32 ones (a float32 model's activations are never rounded); each against float64."""
     w = quantize(_rand((256, 64), bf16, 8, 0.05), "int4")
-    for m, form in ((4, "rows"), (16, "bf16")):
-        x = _rand((m, 64), f32, 9)
+    big = "bf16" if dtype == bf16 else "dense"
+    for m, form in ((4, "rows"), (16, big)):
+        x = _rand((m, 64), dtype, 9)
         auto = jax.jit(lambda x, w: int4_matmul_xla(x, w))(x, w)
         want = jax.jit(lambda x, w, f=form: int4_matmul_xla(x, w, form=f))(x, w)
-        np.testing.assert_array_equal(np.asarray(auto), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(auto.astype(f32)), np.asarray(want.astype(f32)))
+        _close(auto, _int4_ref(x, w), rtol)
 
 
 # ------------------------------------------------------------------------------------------------ decode attention
-def test_decode_attention_default_blocks_match_explicit_blocks():
-    """Decode rows use 128-token KV blocks by default and an all-decode step skips the prefill machinery: the same
-    result as 256-token blocks (and as a mixed step's decode rows)."""
-    from gemmajax.kv import alloc_pages, make_ragged_meta, ragged_paged_attention
-    n, nk, h, ps = 4, 1, 32, 8
-    kv_lens = [300, 5, 129]
-    tables, at = [], 1
-    for kv in kv_lens:
-        c = -(-kv // ps)
-        tables.append(list(range(at, at + c)))
-        at += c
-    pages = _rand(alloc_pages(at, ps, nk, h, "float32").shape, f32, 10)
-    q, kn = _rand((3, n, h), f32, 11), _rand((3, nk, h), f32, 12)
-    meta = make_ragged_meta([1, 1, 1], kv_lens, tables, max_num_seqs=4, pages_per_seq=64)
-    run = jax.jit(ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "block_kv"))
-    for window in (None, 100):
-        out, _ = run(q, kn, kn, pages, meta, sm_scale=h ** -0.5, sliding_window=window)
-        want, _ = run(q, kn, kn, pages, meta, sm_scale=h ** -0.5, sliding_window=window, block_kv=256)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
-        assert np.abs(np.asarray(out)).max() > 0
+@pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("h,s_max,dt,bits", [(32, 5, f32, False), (256, 8, bf16, True)])
+def test_decode_attention_default_blocks_match_the_naive_oracle(h, s_max, dt, bits, window, decode_only):
+    """Decode rows with the default KV blocks (`_decode_block_kv`: 128 tokens for h 32 at 5 rows, 64 for h 256 at 8
+    rows), as the all-decode form (decode_only) and as a mixed step's decode rows, against dense float64 attention
+    over what the cache holds (tests/kv/test_attention.naive_attention). KV lengths end inside, at and past block
+    edges, so a lost or doubled block, a wrong window edge or a prefill branch that runs anyway fails; unused pages
+    are NaN. f32 pages and the engine's bf16 bit-stored pages."""
+    from gemmajax.kv import attention
+    from tests.kv.test_attention import make_case, naive_attention, run
+
+    seqs = [(299, 1), (4, 1), (128, 1), (191, 1)]  # (cached, q_len): kv lengths 300, 5, 129, 192
+    case = make_case(seqs, n=4, nk=1, h=h, ps=8, dtype=dt, window=window, t_pad=s_max, s_max=s_max, bits=bits,
+                     q_dtype=f32, seed=h + s_max)
+    if decode_only:
+        case = dataclasses.replace(case, meta=dataclasses.replace(case.meta, decode_only=True))
+    block = attention._decode_block_kv(s_max, case.kv_pages.shape)
+    assert block == (128 if h == 32 else 64) and max(case.kv_lens) > 2 * block  # several default blocks
+    out, _ = run(case, "ref", sm_scale=h ** -0.5, sliding_window=window)
+    out = np.asarray(out)
+    want = naive_attention(case, sm_scale=h ** -0.5, window=window)
+    np.testing.assert_allclose(out[:4], want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(out[4:], 0.0)  # padding rows
 
 
 # ------------------------------------------------------------------------------------------------ greedy in the step

@@ -1,4 +1,5 @@
-"""w4a16 matmul: int4 weights in groups along `in` (bf16/f32 scale per group), bf16 activations, f32 accumulation.
+"""w4a16 matmul: int4 weights in groups along `in` (bf16/f32 scale per group), activations unquantized in the model's
+dtype ("a16": bf16 models multiply in bf16, float32 models in float32), f32 accumulation.
 
 Design choices: the weight stays in the row-major half-split layout of array.py (byte j of a row holds columns j
 and j + in_p/2), so the kernel multiplies the two halves of x by the low and high nibbles: no lane interleave.
@@ -9,8 +10,10 @@ K-major copy of the weight that gathers and the CPU could not use). Projection, 
 (16 x 512 x 768-byte tiles) is 2.4 static bundles per 1,024 weights on v5e and v6e, against 0.6 cycles to stream
 their 512 bytes from v5e HBM: int4 is VPU-bound near 25 % of HBM bandwidth, like the 33 % the anchors measured for
 vLLM-TPU's W4A16 (int8 w8a8: 0.45-0.53 bundles per 1,024 weights, under its 1.2 cycles of HBM: bandwidth-bound).
-Every path rounds the activations and
-bf16(level * scale) to bf16 and accumulates in f32, so all paths compute the same products.
+Every path multiplies the activations in their compute dtype (`_compute_dtype`: bf16 for bf16 x, float32 otherwise,
+never rounded) by the weight bf16(level * scale) (array.py: the stored weight is that bf16 number, exact in both
+dtypes) and accumulates in f32, so all paths compute the same products and a float32 model with exactly repacked
+QAT weights gives the unquantized float32 model's logits.
 
 CPU forms (bench/kernels_matmul.py, same run and caveats as the int8 table: load 7.5-8, ms, min of round-robin calls):
 
@@ -44,7 +47,8 @@ cores, load 5.5-6.5, ms, min of 5 round-robin calls; rows in parentheses extrapo
 | 640 x 262144 | 8  | (~240)    | 361     | 276       |
 | 640 x 262144 | 16 | (~480)    | 377     | **276**   |
 
-"auto": rows up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16".
+"auto": rows up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16" (bf16 activations)
+or "dense" (float32 activations: not measured for speed; the only float32 GEMM form, exact float32 products).
 """
 from __future__ import annotations
 
@@ -61,7 +65,6 @@ from gemmajax.quant.array import QuantArray
 from gemmajax.quant.int8_matmul import materialize
 from gemmajax.quant.quantize import dequantize
 
-_ACT = jnp.bfloat16  # the "a16" of w4a16
 _ROW_LOOP_MAX_M = 4  # CPU: up to this many rows, M one-row fusions beat dequantize-to-bf16 + GEMM ...
 _ROW_LOOP_MAX_M_BIG = 8  # ... and up to this many on weights of 2 MiB packed or more (measured crossovers)
 _ROW_LOOP_MIN_BYTES = 2 << 20
@@ -74,9 +77,20 @@ def _check(x: jax.Array, w: QuantArray) -> None:
         raise ValueError(f"int4 matmul: x has {x.shape[-1]} features, weight {w.shape} expects {w.in_features}")
 
 
+def _compute_dtype(x: jax.Array) -> jnp.dtype:
+    """The dtype activations and dequantized weights multiply in: bf16 for bf16 x (the fast native products),
+    float32 for anything else (float32 models keep float32 activations; other floats widen exactly)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(x.dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def _precision(cd: jnp.dtype):
+    """HIGHEST for float32 products (accelerators would otherwise run float32 dots in bf16 / TF32 passes)."""
+    return lax.Precision.HIGHEST if cd == jnp.float32 else None
+
+
 def _pad_x(x2: jax.Array, w: QuantArray) -> jax.Array:
-    """x [M, in] -> bf16 [M, in_p] (zero columns for the padded groups)."""
-    xb = x2.astype(_ACT)
+    """x [M, in] -> [M, in_p] in the compute dtype (zero columns for the padded groups)."""
+    xb = x2.astype(_compute_dtype(x2))
     return jnp.pad(xb, ((0, 0), (0, w.padded_in - w.in_features))) if w.padded_in != w.in_features else xb
 
 
@@ -86,25 +100,29 @@ def _finish(y: jax.Array, x: jax.Array, w: QuantArray) -> jax.Array:
 
 # --- reference ------------------------------------------------------------------------------------------------------
 def int4_matmul_ref(x: jax.Array, w: QuantArray) -> jax.Array:
-    """w4a16 reference: dot(bf16(x), dequantize(w, bf16).T) with f32 accumulation. x [..., in] -> [..., out]."""
+    """w4a16 reference: dot(x, dequantize(w).T) in the compute dtype (bf16 for bf16 x, else float32: x is never
+    rounded) with f32 accumulation. x [..., in] -> [..., out] in x.dtype."""
     _check(x, w)
-    x2 = x.reshape(-1, x.shape[-1]).astype(_ACT)
-    y = jnp.dot(x2, dequantize(w, _ACT).T, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    cd = _compute_dtype(x)
+    x2 = x.reshape(-1, x.shape[-1]).astype(cd)
+    y = jnp.dot(x2, dequantize(w, cd).T, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
     return y.reshape(*x.shape[:-1], w.out_features).astype(x.dtype)
 
 
 # --- Pallas TPU kernel ----------------------------------------------------------------------------------------------
-def _dequant_t(wt: jax.Array, s: jax.Array, group: int) -> jax.Array:
-    """Levels (int32 [tkp, tn], biased 0..15) and scales (f32 [tkp // group, tn]) -> bf16 [tkp, tn] weights^T."""
+def _dequant_t(wt: jax.Array, s: jax.Array, group: int, cd) -> jax.Array:
+    """Levels (int32 [tkp, tn], biased 0..15) and scales (f32 [tkp // group, tn]) -> weights^T [tkp, tn] in the
+    compute dtype cd, holding bf16(level * scale)."""
     tkp, tn = wt.shape
     q = (wt - 8).astype(jnp.float32).reshape(tkp // group, group, tn)
-    return (q * s[:, None, :]).reshape(tkp, tn).astype(_ACT)
+    wb = (q * s[:, None, :]).reshape(tkp, tn).astype(jnp.bfloat16)
+    return wb if cd == jnp.bfloat16 else wb.astype(cd)
 
 
 def _int4_kernel(xl_ref, xh_ref, w_ref, s_ref, o_ref, st_ref, *acc, nk: int, group: int):
     """One (i, j, k) step.
 
-    xl / xh [tm, tkp] bf16: columns k*tkp.. of the low / high half of x; w [tn, tkp] uint8; s [tn, G] scales of
+    xl / xh [tm, tkp] bf16 or f32 (the compute dtype): columns k*tkp.. of the low / high half of x; w [tn, tkp] uint8; s [tn, G] scales of
     the whole rows (fetched once per j); o [tm, tn]; st [2, G/2, tn] f32 scratch: the scales transposed.
     """
     k = pl.program_id(2)
@@ -123,11 +141,13 @@ def _int4_kernel(xl_ref, xh_ref, w_ref, s_ref, o_ref, st_ref, *acc, nk: int, gro
     else:
         start = pl.multiple_of(k * gk, gk)
         s_lo, s_hi = st_ref[0, pl.ds(start, gk), :], st_ref[1, pl.ds(start, gk), :]
+    cd = jnp.dtype(xl_ref.dtype)
     wt = w_ref[...].astype(jnp.int32).T  # [tkp, tn]: groups now run along sublanes
-    lo = _dequant_t(wt & 15, s_lo, group)
-    hi = _dequant_t(wt >> 4, s_hi, group)
-    part = (jnp.dot(xl_ref[...], lo, preferred_element_type=jnp.float32)
-            + jnp.dot(xh_ref[...], hi, preferred_element_type=jnp.float32))
+    lo = _dequant_t(wt & 15, s_lo, group, cd)
+    hi = _dequant_t(wt >> 4, s_hi, group, cd)
+    prec = _precision(cd)
+    part = (jnp.dot(xl_ref[...], lo, preferred_element_type=jnp.float32, precision=prec)
+            + jnp.dot(xh_ref[...], hi, preferred_element_type=jnp.float32, precision=prec))
     if nk == 1:
         o_ref[...] = part.astype(o_ref.dtype)
         return
@@ -161,7 +181,8 @@ def int4_blocks(m: int, n: int, half: int, group: int) -> tuple[int, int, int, i
 
 
 def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=None) -> jax.Array:
-    """Pallas TPU w4a16. x [..., in] float, w int4 QuantArray [out, in] -> [..., out] in x.dtype.
+    """Pallas TPU w4a16. x [..., in] float, w int4 QuantArray [out, in] -> [..., out] in x.dtype. bf16 x multiplies
+    in bf16 (the serving case), any other x in float32 (a float32 model: unrounded activations, HIGHEST precision).
 
     interpret: False | True | pltpu.InterpretParams(...). blocks: optional (tm, tn, tkp) override.
     """
@@ -192,7 +213,8 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     out_dtype = x.dtype
     ob = jnp.dtype(out_dtype).itemsize
     sb = jnp.dtype(w.scale.dtype).itemsize
-    vmem = (2 * (2 * tm * tkp * 2 + tn * tkp + tn * g * sb + tm * tn * ob) + g * tn * 4
+    xb = jnp.dtype(x2.dtype).itemsize
+    vmem = (2 * (2 * tm * tkp * xb + tn * tkp + tn * g * sb + tm * tn * ob) + g * tn * 4
             + (tm * tn * 4 if nk > 1 else 0) + 6 * tkp * tn * 4)  # + int32 / f32 temporaries of the dequant
     y = pl.pallas_call(
         functools.partial(_int4_kernel, nk=nk, group=group),
@@ -209,7 +231,7 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(2 * vmem, 32 << 20), 100 << 20))),
         cost_estimate=pl.CostEstimate(flops=2 * mp * n * 2 * half, transcendentals=0,
-                                      bytes_accessed=n * half + n * g * sb + (n // tn) * mp * 2 * half * 2
+                                      bytes_accessed=n * half + n * g * sb + (n // tn) * mp * 2 * half * xb
                                       + mp * n * ob),
         interpret=interpret,
         name="int4_matmul",
@@ -234,7 +256,8 @@ def _half_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
 
 
 def _one_row(x1: jax.Array, w: QuantArray, separate: bool) -> jax.Array:
-    """x1 bf16-valued f32 [1, in_p] -> f32 [1, N] in two fused matrix-vector dots over the packed weight.
+    """x1 f32 [1, in_p] (bf16 values for a bf16 model) -> f32 [1, N] in two fused matrix-vector dots over the packed
+    weight.
 
     separate: give this row its own copy of the weight's inputs; without it XLA merges the identical weight
     transforms of several rows (CSE) and materializes one float32 copy of the weight for all of them."""
@@ -264,7 +287,7 @@ def _bf16_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
     """Packed rows uint8 [n, in_p / 2] and their scales -> bf16 [n, in_p] (exact: every int4 weight is a bf16 number)."""
     g2 = s.shape[-1] // 2
     return jnp.concatenate([_half_weight(v & 15, s[:, :g2], group),
-                            _half_weight(v >> 4, s[:, g2:], group)], axis=1).astype(_ACT)
+                            _half_weight(v >> 4, s[:, g2:], group)], axis=1).astype(jnp.bfloat16)
 
 
 def _bf16_chunks(xb: jax.Array, w: QuantArray) -> jax.Array:
@@ -287,21 +310,27 @@ def _bf16_chunks(xb: jax.Array, w: QuantArray) -> jax.Array:
 
 
 def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
-    """XLA w4a16 (CPU). form:
+    """XLA w4a16 (CPU). x [..., in], w int4 QuantArray [out, in] -> [..., out] in x.dtype. form:
       "rows"   one fused matrix-vector pass per row of x, reading the packed weight (no copy of it);
       "shared" one float32 copy of the weight, then a matrix-vector pass per row;
       "dense"  float32 copies of 8,192-row chunks of the weight, one GEMM each;
-      "bf16"   bf16 copies of 4,096-row chunks (exact), one native bf16 GEMM (YNNPACK) each;
-      "auto"   "rows" up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16"
-               (measured crossovers; module docstring).
+      "bf16"   bf16 copies of 4,096-row chunks (exact), one native bf16 GEMM (YNNPACK) each: bf16 x only;
+      "auto"   "rows" up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16" for bf16 x,
+               "dense" for float32 x (measured crossovers; module docstring).
+    The float32 forms ("rows", "shared", "dense") multiply float32 copies of the activations (bf16 values for bf16
+    x, x itself otherwise) by the bf16-valued weight: the reference's products for either dtype.
     """
     _check(x, w)
     xb = _pad_x(x.reshape(-1, x.shape[-1]), w)
     m = xb.shape[0]
+    act16 = xb.dtype == jnp.bfloat16
     if form == "auto":
         rows_max = _ROW_LOOP_MAX_M_BIG if w.values.size >= _ROW_LOOP_MIN_BYTES else _ROW_LOOP_MAX_M
-        form = "rows" if m <= rows_max else "bf16"
+        form = "rows" if m <= rows_max else "bf16" if act16 else "dense"
     if form == "bf16":
+        if not act16:
+            raise ValueError(f"int4_matmul_xla: form 'bf16' multiplies bf16 activations, x is {x.dtype} (rounding it "
+                             f"would change the float32 model's products); use 'dense' or 'auto'")
         return _finish(_bf16_chunks(xb, w), x, w)
     x2 = materialize(xb.astype(jnp.float32))
     if form == "rows":
@@ -321,15 +350,18 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
         else:
             y = jnp.dot(x2, _dense_weight(w).T, precision=lax.Precision.HIGHEST)
     else:
-        raise ValueError(f"int4_matmul_xla: form must be 'auto', 'rows', 'shared' or 'dense', got {form!r}")
+        raise ValueError(f"int4_matmul_xla: form must be 'auto', 'rows', 'shared', 'dense' or 'bf16', got {form!r}")
     return _finish(y, x, w)
 
 
 def int4_matmul_gpu(x: jax.Array, w: QuantArray) -> jax.Array:
-    """XLA w4a16 for GPUs: dequantize to bf16 (fused by XLA) and one bf16 GEMM with f32 accumulation."""
+    """XLA w4a16 for GPUs: dequantize to the compute dtype (fused by XLA) and one GEMM with f32 accumulation (bf16 x
+    bf16 for bf16 x; float32 at HIGHEST precision, not TF32, for float32 x)."""
     _check(x, w)
     x2 = _pad_x(x.reshape(-1, x.shape[-1]), w)
-    return _finish(jnp.dot(x2, _dense_weight(w).astype(_ACT).T, preferred_element_type=jnp.float32), x, w)
+    cd = jnp.dtype(x2.dtype)
+    y = jnp.dot(x2, _dense_weight(w).astype(cd).T, preferred_element_type=jnp.float32, precision=_precision(cd))
+    return _finish(y, x, w)
 
 
 def int4_matmul(x: jax.Array, w: QuantArray, impl: str = "auto") -> jax.Array:

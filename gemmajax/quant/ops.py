@@ -8,10 +8,6 @@ Plain arrays with 16-bit activations are dispatched at lowering time too: on the
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -55,11 +51,10 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
 
 
 def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.Array:
-    """y = x @ w.T. x: [..., in]; w: [out, in] (Hugging Face layout), a plain array or a QuantArray.
+    """y = x @ w.T. x: [..., in]; w: [out, in] (Hugging Face layout), a plain array or a 2-D QuantArray.
 
-    Returns [..., out] in x.dtype. A QuantArray with leading dims [*L, out, in] (e.g. experts) takes x [*L, ..., in]
-    and multiplies each leading slice by its own matrix. impl: "auto" | "xla" | "pallas" | "pallas_interpret"
-    (ignored for plain arrays).
+    Returns [..., out] in x.dtype. impl: "auto" | "xla" | "pallas" | "pallas_interpret" (ignored for plain arrays).
+    Expert stacks [E, out, in] do not come here: the model runs them through ragged_dot (gemma.moe_block).
     """
     if not isinstance(w, QuantArray):
         if jnp.dtype(x.dtype).itemsize != 2:  # float32 models: the plain dot is already XLA:CPU's fast form
@@ -68,23 +63,7 @@ def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.A
         return lax.platform_dependent(x, w, cpu=dense_matmul_cpu, default=dense_matmul)
     if impl not in IMPLS:
         raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
-    lead = w.shape[:-2]
-    if tuple(x.shape[: len(lead)]) != lead:
-        raise ValueError(f"linear: a weight {w.shape} with leading dims {lead} needs x [*{lead}, ..., {w.shape[-1]}], "
-                         f"got x {tuple(x.shape)}")
-    fn = _MATMULS[w.kind]
-    if not lead:
-        return fn(x, w, impl)
-
-    # One [out, in] slice at a time (lax.map: a loop, so each slice keeps its fast single-matrix form; vmap of a
-    # pallas_call is also not supported by the TPU interpreter).
-    e = math.prod(lead)
-    xs = x.reshape(e, *x.shape[len(lead):])
-    vs = w.values.reshape(e, *w.values.shape[len(lead):])
-    ss = w.scale.reshape(e, *w.scale.shape[len(lead):])
-    one = functools.partial(dataclasses.replace, w, shape=w.shape[-2:])
-    y = jax.lax.map(lambda a: fn(a[0], one(values=a[1], scale=a[2]), impl), (xs, vs, ss))
-    return y.reshape(*lead, *y.shape[1:])
+    return _MATMULS[w.kind](x, w, impl)
 
 
 def take_rows(table: jax.Array | QuantArray, ids: jax.Array, dtype=None) -> jax.Array:

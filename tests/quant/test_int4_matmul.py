@@ -94,6 +94,43 @@ def test_xla_forms_match_reference(m):
     assert np.array_equal(np.asarray(jax.jit(int4_matmul_xla)(xe.astype(jnp.float32), qe)), np.asarray(exact))
 
 
+_F32_PATHS = {
+    "ref": int4_matmul_ref,
+    "auto": lambda x, q: int4_matmul(x, q, "auto"),
+    "xla": lambda x, q: int4_matmul(x, q, "xla"),
+    "pallas_interpret": lambda x, q: int4_matmul(x, q, "pallas_interpret"),
+    "xla rows": lambda x, q: int4_matmul_xla(x, q, form="rows"),
+    "xla shared": lambda x, q: int4_matmul_xla(x, q, form="shared"),
+    "xla dense": lambda x, q: int4_matmul_xla(x, q, form="dense"),
+    "gpu form": int4_matmul_gpu,
+}
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("path", list(_F32_PATHS))
+def test_float32_activations_are_not_rounded(path, m):
+    """"a16" means the model's dtype: float32 x times the dequantized weight in float32, x never rounded to bf16.
+
+    x [m, 640] f32, w [1000, 640] int4 -> y [m, 1000]. The float64 product of x and dequantize(w, f32) is the
+    oracle; each output may differ from it by float32 accumulation only, bounded by 1e-5 of sum_k |x_k w_k| (the
+    measured error is ~1e-7 of it). Rounding x to bf16 (the old code) is off by ~1e-4 of it (2^-9 per term)."""
+    x, q = _data(m, 640, 1000, seed=70 + m)
+    fn = _F32_PATHS[path]
+    y = jax.jit(fn)(x, q)
+    assert y.shape == (m, 1000) and y.dtype == jnp.float32
+    xd, wd = np.asarray(x, np.float64), np.asarray(dequantize(q, jnp.float32), np.float64)
+    want, size = xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+    err = np.abs(np.asarray(y, np.float64) - want)
+    assert (err <= 1e-5 * size).all(), (f"{path}, m={m}: worst error {(err / size).max():.2e} of sum |x w| "
+                                        f"(float32 accumulation gives ~1e-7)")
+
+
+def test_bf16_form_refuses_float32_activations():
+    x, q = _data(16, 640, 1000, seed=80)
+    with pytest.raises(ValueError, match="'bf16' multiplies bf16 activations, x is float32"):
+        int4_matmul_xla(x, q, form="bf16")
+
+
 def test_dispatch_impls():
     x, q = _data(3, 640, 1000, seed=50)
     ref = int4_matmul_ref(x, q)

@@ -65,12 +65,15 @@ def test_repack_experts_and_padding():
     assert np.array_equal(_bits(dequantize(q[1])), _bits(w[1]))
 
 
-def test_repacked_weight_multiplies_exactly_like_the_qat_weight():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_repacked_weight_multiplies_exactly_like_the_qat_weight(dtype):
+    """x [4, 512] in a bf16 or a float32 model times the repacked weight: bit for bit the product with the QAT
+    weight itself in that dtype (float32 x is not rounded to bf16)."""
     w, _ = _qat_tensor((256, 512), seed=3)
     q = repack_qat(w)
-    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 512)), jnp.bfloat16)
-    dense = jnp.dot(x, jnp.asarray(w).T, preferred_element_type=jnp.float32, precision="highest")
-    assert np.array_equal(np.asarray(int4_matmul_ref(x.astype(jnp.float32), q)), np.asarray(dense))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 512)), dtype)
+    dense = jnp.dot(x, jnp.asarray(w).astype(dtype).T, preferred_element_type=jnp.float32, precision="highest")
+    assert np.array_equal(np.asarray(int4_matmul_ref(x, q), np.float32), np.asarray(dense.astype(dtype), np.float32))
 
 
 def test_peak_below_level_8_keeps_its_values():
