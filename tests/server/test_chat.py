@@ -140,6 +140,25 @@ def test_tool_calls_streamed(client: openai.OpenAI, engine: FakeEngineClient) ->
     assert "<|tool_call>" not in raw and '<|\\"|>' not in raw
 
 
+def test_tool_calls_streamed_parallel_false_keeps_the_first_call(client: openai.OpenAI,
+                                                                 engine: FakeEngineClient) -> None:
+    """parallel_tool_calls=false on a stream: every delta of the first call, none of the second, one finish."""
+    engine.reply = "Checking." + TWO_CALLS
+    chunks = _stream(client, messages=USER, tools=TOOLS, parallel_tool_calls=False)
+    calls = _join_tool_calls(chunks)
+    assert list(calls) == [0], calls
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
+    assert calls[0]["id"]
+    deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas and all(tc.index == 0 for tc in deltas)
+    raw = json.dumps([c.model_dump() for c in chunks])
+    assert "get_time" not in raw and "CET" not in raw  # nothing of the second call, not even its name
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    # the same reply with parallel calls allowed streams both (so the test above can tell the two apart)
+    assert sorted(_join_tool_calls(_stream(client, messages=USER, tools=TOOLS))) == [0, 1]
+
+
 def test_tool_choice_none_disables_tools(client: openai.OpenAI, engine: FakeEngineClient) -> None:
     r = client.chat.completions.create(model="fake-gemma", messages=USER, tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.content == "Hello there!" and not r.choices[0].message.tool_calls
