@@ -1,8 +1,10 @@
 """The TPU fit table (docs/fit_table.md): every published Gemma 4 size x quant x chip, through `gemmajax.aot`.
 
-Design choices: each row is one `gemmajax.aot.analyze` run in its fast mode (one deviceless compile of the prefill
-step, the larger program, with the KV cache sized from an overhead estimate; an out-of-memory compile shrinks the
-cache and compiles again), so the KV tokens in the table are a cache size the TPU compiler accepted. Rows whose
+Design choices: each row is one `gemmajax.aot.analyze` run in its fast mode (deviceless compiles at full size of every
+program the engine runs, `aot.STEPS`: the largest mixed step (T=512, S=16) with logits first, then its greedy
+variant and the all-decode step (T=S=16) with tokens and with logits, the KV cache sized from an overhead estimate;
+an out-of-memory compile shrinks the cache and compiles again), so the KV tokens in the table are a cache size the
+TPU compiler accepted for all four. Rows whose
 weights alone exceed the chip are decided without compiling. Results are cached in a JSON file after every row and
 the markdown is rewritten each time, so a long run can be stopped and resumed. Measured vLLM-TPU figures come from
 shared/reference/anchors.md and are printed beside our projections, never mixed with them.
@@ -28,6 +30,7 @@ QUANTS = ("none", "w8a8", "w8a8+emb4", "w4a16", "qat-w4a16")
 CHIP_ORDER = ("v5e", "v6e")
 SETTINGS = dict(max_model_len=8192, max_num_seqs=16, max_num_batched_tokens=512, page_size=32, kv_dtype="bf16")
 PROJ_CONTEXT = 512
+STEPS = ("decode", "decode-greedy", "prefill-greedy", "prefill")  # the last (the largest program) is compiled first
 
 # Measured vLLM-TPU figures (shared/reference/anchors.md sections 0 and 2.4; xbill9/gemma4-dev and the
 # tpu-inference sweeps): weights GiB, decode tok/s at 1 and 16 streams, KV tokens; None where not reported.
@@ -71,7 +74,7 @@ def storage_quant(quant: str) -> str:
 
 def run_row(model: str, quant: str, chip: str, overhead_guess: int, log) -> dict:
     req = aot.AotRequest(cfg=ModelConfig.preset(model), chip=chip, quant=storage_quant(quant), probe=False,
-                         steps=("prefill",), overhead_guess=overhead_guess, proj_context=PROJ_CONTEXT, **SETTINGS)
+                         steps=STEPS, overhead_guess=overhead_guess, proj_context=PROJ_CONTEXT, **SETTINGS)
     t0 = time.perf_counter()
     res = aot.analyze(req, log=log)
     d = res.to_json()
@@ -104,9 +107,11 @@ def render(results: dict[str, dict]) -> str:
         f"{aot.CHIPS['v6e'].hbm_limit / aot.GiB:.2f} GiB); bandwidth v5e 819 GB/s, v6e 1,640 GB/s.",
         "",
         "How to read it:",
-        "- **fits / KV tokens (ours)**: the prefill step (T=512, S=16), weights and the whole paged KV cache as "
-        "arguments, compiled for the chip by libtpu; the cache is sized from the HBM left after weights, the step's "
-        "other buffers and the margin, and the number shown is a cache size the compiler accepted (`compile`). Rows "
+        "- **fits / KV tokens (ours)**: the programs the engine runs, each with the weights and the whole paged KV "
+        "cache as arguments, compiled for the chip by libtpu: the largest mixed step (T=512, S=16) and the all-decode "
+        "step (T=S=16), each returning greedy tokens and logits; the cache is sized from the HBM left after weights, "
+        "the largest program's other buffers and the margin, and the number shown is a cache size the compiler "
+        "accepted for all of them (`compile`). Rows "
         "marked `weights` were decided without compiling: the weights alone leave no room for one 8192-token "
         "sequence. KV tokens = the context the cache holds when filled with 8192-token sequences, each paying "
         "window + 512 tokens in the sliding layers, its whole context in the full-attention layers and nothing in "

@@ -3,6 +3,8 @@
 Design choices: weights, paged caches and step inputs are ShapeDtypeStructs placed on a device of a TPU topology
 description, so nothing is allocated and the real TPU compiler (Mosaic for the Pallas kernels, XLA:TPU for the
 rest) enforces the chip's HBM: a RESOURCE_EXHAUSTED compile means "does not fit", with the compiler's numbers.
+The programs compiled are the ones the engine runs (`programs`: the shapes of `LLMEngine.step_shapes` by the same rule,
+`step_shapes`, with its decode_only flags, each as the greedy-token and the logits variant of `runner.compiled_step`).
 The KV budget is what is left of the compiler's HBM limit after weights, the compiled steps' temporaries (measured
 with a small cache) and a margin; the cache it buys is proven by compiling the step again at that size. Speed is a
 roofline projection (bytes read per decode step over HBM bandwidth) and is printed as a projection, never as a
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import logging
 import math
@@ -37,10 +38,10 @@ from gemmajax.engine.runner import (  # noqa: E402
     RunnerSpec,
     StepInputs,
     abstract_caches,
-    bucket,
     build_step_inputs,
+    compiled_step,
     kv_groups,
-    model_step,
+    pow2_buckets,
     token_buckets,
 )
 from gemmajax.kv.attention import kernel_supports  # noqa: E402
@@ -51,6 +52,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 MODELS = ("e2b", "e4b", "12b", "26b-a4b", "31b")
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNSUPPORTED, EXIT_COMPILE_ERROR = 0, 1, 2, 3
+# The programs `analyze` can compile (see `programs`): the largest all-decode step and the largest mixed step, each
+# as the engine's greedy variant (tokens out) and its logits variant.
+STEPS = ("decode", "decode-greedy", "prefill", "prefill-greedy")
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,11 @@ class AotRequest:
     proj_context: int | None = None      # context length of the roofline projection (default: max_model_len)
     dtype: str = "bfloat16"              # weight / activation dtype of the unquantized parts
     attn_impl: str = "pallas"            # "pallas" (TPU kernel) | "ref" (the jnp path); pallas falls back to ref
-    probe: bool = True                   # compile decode and prefill with a small cache first to measure temporaries
-    steps: tuple[str, ...] = ("decode", "prefill")
-    # probe=False (the fit table's fast mode): size the cache from weights + overhead_guess, compile the last of
-    # `steps` at that size, then once more at the size its measured overhead allows when the guess was off
+    probe: bool = True                   # compile every step with a small cache first to measure temporaries
+    steps: tuple[str, ...] = STEPS       # which of STEPS to compile
+    # probe=False (the fit table's fast mode): size the cache from weights + overhead_guess, compile every step at
+    # that size (the last of `steps` first), then once more at the size their measured overhead allows when the
+    # guess was off
     overhead_guess: int = 512 * MiB
 
     @property
@@ -102,11 +107,13 @@ class AotRequest:
 class StepCompile:
     """One deviceless compile of the serving step: its shape and what the compiler reported (bytes)."""
 
-    step: str                 # "decode" | "prefill"
+    step: str                 # one of STEPS
     tokens: int               # T (bucketed)
     seqs: int                 # S (bucketed)
     kv_pages: tuple[int, ...]  # pages per KV group in this compile
     kv_bytes: int
+    decode_only: bool = False  # the metas' decode_only flag (the attention's all-decode form)
+    greedy: bool = False      # the greedy variant (tokens [S] out) rather than logits [S, V]
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
@@ -424,31 +431,69 @@ class Target:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding), tree)
 
 
-def step_shapes(req: AotRequest) -> dict[str, tuple[int, int]]:
-    """(T, S) of the decode and prefill programs, bucketed as the engine buckets them (LLMEngine)."""
-    t_buckets = token_buckets(16, req.max_num_batched_tokens)
-    s = req.max_num_seqs
-    return {"decode": (bucket(s, t_buckets), s), "prefill": (req.max_num_batched_tokens, s)}
+def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sequence buckets, token buckets) of an LLMEngine with these limits and default buckets on an accelerator:
+    powers of 2 up to max_num_seqs, and `runner.token_buckets` from 16 without the CPU's dense ladder."""
+    return pow2_buckets(1, max_num_seqs), token_buckets(16, max_num_batched_tokens)
 
 
-def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, step: str, tokens: int,
-                 seqs: int) -> StepCompile:
-    """Lower and compile model_step (caches donated, as ModelRunner does) for the target; never raises for an
-    out-of-memory or lowering failure: they are recorded in the result."""
+def step_shapes(s_buckets: tuple[int, ...], t_buckets: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """Every (tokens T, sequences S, decode_only) shape an engine with these buckets runs: all-decode steps padded
+    to a sequence bucket (T = S, decode_only), mixed steps to max(token bucket, sequence bucket). The rule of
+    `LLMEngine.step_shapes` (`_dispatch` pads this way); tests/test_aot.py checks the two agree on a real engine."""
+    shapes = [(s, s, True) for s in s_buckets]
+    shapes += sorted({(max(t, s), s, False) for s in s_buckets for t in t_buckets})
+    return shapes
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program the engine runs: a step shape and the variant (greedy: tokens out; else logits)."""
+
+    step: str          # one of STEPS
+    tokens: int        # T
+    seqs: int          # S
+    decode_only: bool
+    greedy: bool
+
+
+def programs(req: AotRequest) -> dict[str, Program]:
+    """The largest program of each kind the engine runs for these limits, by name (STEPS): the all-decode step
+    (S_max, S_max, decode_only) and the largest mixed step (T_max, S_max), each greedy and with logits. Every other
+    shape of `step_shapes` has at most these T and S, so needs no more HBM."""
+    shapes = step_shapes(*engine_buckets(req.max_num_seqs, req.max_num_batched_tokens))
+    dec = max((x for x in shapes if x[2]), key=lambda x: x[:2])
+    mixed = max((x for x in shapes if not x[2]), key=lambda x: x[:2])
+    return {"decode": Program("decode", *dec, greedy=False),
+            "decode-greedy": Program("decode-greedy", *dec, greedy=True),
+            "prefill": Program("prefill", *mixed, greedy=False),
+            "prefill-greedy": Program("prefill-greedy", *mixed, greedy=True)}
+
+
+def program_inputs(spec: RunnerSpec, prog: Program) -> StepInputs:
+    """Padding inputs of prog's shape (no sequence: nothing is written) with its decode_only flag set on every
+    group's meta, as `LLMEngine.precompile` builds them (KV-shared layers' metas are decode_only by construction)."""
+    inp = build_step_inputs(spec, [], prog.tokens, prog.seqs)
+    return dataclasses.replace(inp, metas=tuple(dataclasses.replace(m, decode_only=prog.decode_only)
+                                                for m in inp.metas))
+
+
+def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, prog: Program) -> StepCompile:
+    """Lower and compile the engine's own jitted step (`runner.compiled_step(spec, prog.greedy)`: caches donated)
+    on padding inputs of prog's shape with its decode_only flag, as `LLMEngine.precompile` builds them, for the
+    target; never raises for an out-of-memory or lowering failure: they are recorded in the result."""
     kv = abstract_caches(spec, target.sharding)
-    res = StepCompile(step=step, tokens=tokens, seqs=seqs, kv_pages=tuple(spec.num_pages),
-                      kv_bytes=spec.cache_bytes(), attn_impl=spec.attn_impl)
-    inp: StepInputs = target.abstract(build_step_inputs(spec, [], tokens, seqs))
-
-    def fn(w, kv, inp):
-        return model_step(w, spec, kv, inp)
+    res = StepCompile(step=prog.step, tokens=prog.tokens, seqs=prog.seqs, kv_pages=tuple(spec.num_pages),
+                      kv_bytes=spec.cache_bytes(), decode_only=prog.decode_only, greedy=prog.greedy,
+                      attn_impl=spec.attn_impl)
+    inp = target.abstract(program_inputs(spec, prog))
 
     noise = _DropKernelNoise()
     logging.getLogger().addFilter(noise)
     t0 = time.perf_counter()
     try:
         with jax.set_mesh(target.mesh):  # Pallas asks the current mesh which TPU it lowers for
-            lowered = jax.jit(fn, donate_argnums=(1,)).lower(weights, kv, inp)
+            lowered = compiled_step(spec, prog.greedy).lower(weights, kv, inp)
             res.pallas_calls = lowered.as_text().count("@tpu_custom_call")
             compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 -- the compiler's verdict is the result
@@ -479,19 +524,18 @@ def _spec(req: AotRequest, num_pages: tuple[int, ...], attn_impl: str) -> Runner
 
 def _attn_impl(req: AotRequest) -> tuple[str, str | None]:
     """The attention implementation to compile, and why the kernel is not used when it is not
-    (`gemmajax.kv.attention.kernel_supports` on every KV layer's pages and both steps' shapes)."""
+    (`gemmajax.kv.attention.kernel_supports` on every KV layer's pages and every program's shapes)."""
     if req.attn_impl != "pallas":
         return req.attn_impl, None
     spec = _spec(req, (2,) * len(kv_groups(req.cfg)), "pallas")
-    takes_meta = len(inspect.signature(kernel_supports).parameters) >= 3
-    for step, (t, s) in step_shapes(req).items():
-        meta = build_step_inputs(spec, [], t, s).metas[0]
+    for prog in programs(req).values():
+        meta = build_step_inputs(spec, [], prog.tokens, prog.seqs).metas[0]
         for li, lay in zip(req.cfg.kv_layers, spec.layouts()):
             pages = jax.ShapeDtypeStruct(lay.shape(2), lay.jnp_dtype)
-            q = jax.ShapeDtypeStruct((t, req.cfg.num_heads, lay.head_dim), jnp.dtype(req.dtype))
-            reason = kernel_supports(pages, q, meta) if takes_meta else kernel_supports(pages, q)
+            q = jax.ShapeDtypeStruct((prog.tokens, req.cfg.num_heads, lay.head_dim), jnp.dtype(req.dtype))
+            reason = kernel_supports(pages, q, meta)
             if reason is not None:
-                return "ref", f"{step} step, layer {li}: {reason}"
+                return "ref", f"{prog.step} step, layer {li}: {reason}"
     return "pallas", None
 
 
@@ -551,22 +595,37 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     impl, why = _attn_impl(req)
     if why:
         res.notes.append(f"attention compiled with the jnp reference path (impl='ref'): {why}")
-    shapes = step_shapes(req)
-    steps = [s for s in ("decode", "prefill") if s in req.steps]
+    progs = programs(req)
+    steps = list(dict.fromkeys(req.steps))  # as given, each once
+    unknown = [x for x in steps if x not in progs]
+    if unknown or not steps:
+        raise ValueError(f"steps {list(req.steps)}: expected one or more of {list(STEPS)}")
 
     def compile_at(step: str, pages: tuple[int, ...]) -> StepCompile:
         nonlocal impl
-        t, s = shapes[step]
-        say(f"compiling {step} (T={t}, S={s}, attention {impl}, KV pages {pages}) for {req.chip}:{req.topology}")
-        c = compile_step(target, weights, _spec(req, pages, impl), step, t, s)
+        prog = progs[step]
+        say(f"compiling {step} (T={prog.tokens}, S={prog.seqs}{', decode-only' if prog.decode_only else ''}, "
+            f"{'tokens' if prog.greedy else 'logits'} out, attention {impl}, KV pages {pages}) for "
+            f"{req.chip}:{req.topology}")
+        c = compile_step(target, weights, _spec(req, pages, impl), prog)
         if c.error and impl == "pallas":
             res.notes.append(f"the Pallas attention kernel failed to compile ({c.error.splitlines()[0][:300]}); "
                              "fell back to the jnp reference path (impl='ref')")
             impl = "ref"
-            c = compile_step(target, weights, _spec(req, pages, impl), step, t, s)
+            c = compile_step(target, weights, _spec(req, pages, impl), prog)
         say(f"  {'ok' if c.ok else 'OOM' if c.oom else 'error'} in {c.seconds:.0f} s"
             + (f": temporaries {_g(c.temp_bytes)}, peak {_g(c.peak_bytes)}" if c.ok else ""))
         return c
+
+    def prove(order: list[str], pages: tuple[int, ...]) -> tuple[list[StepCompile], StepCompile]:
+        """Compile `order` at `pages`, stopping at the first that does not compile. Returns (the compiles, the
+        failed one or else the one with the highest peak)."""
+        done = []
+        for step in order:
+            done.append(compile_at(step, pages))
+            if not done[-1].ok:
+                return done, done[-1]
+        return done, max(done, key=lambda c: c.peak_bytes)
 
     # 2. Temporaries: compile each step with a small cache (the pool size does not change a step's temporaries).
     small = small_plan.num_pages
@@ -583,10 +642,10 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                 res.reason = f"does not fit: the {step} step with the smallest cache does not compile: {c.oom}"
                 return res
         overhead = max(c.overhead_bytes for c in res.compiles)
-        proof_step = max(res.compiles, key=lambda c: c.overhead_bytes).step
-    else:
+        order = [max(res.compiles, key=lambda c: c.overhead_bytes).step]  # the others need less besides the cache
+    else:  # no measurements: every step is compiled at full size, the last given first
         overhead = res.weight_bytes + req.overhead_guess
-        proof_step = steps[-1]
+        order = [steps[-1]] + steps[:-1]
 
     # 3. The KV budget and the cache it buys; 4. prove it by compiling at that size (shrink on an OOM, twice).
     budget = chip.hbm_limit - req.margin_bytes - overhead
@@ -602,39 +661,40 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                               f"{req.max_model_len}-token sequence needs {_g(plan.minimum_bytes)}")
                 return res
             plan, smallest = small_plan, True  # only a guess said no: let the compiler decide, smallest cache
-        proof = compile_at(proof_step, plan.num_pages)
+        proved, proof = prove(order, plan.num_pages)
         res.proof = proof
         if proof.ok:
             break
         if proof.error:
             res.attn_impl = impl
-            res.reason = f"compile error in the {proof_step} step: {proof.error.splitlines()[0][:500]}"
+            res.reason = f"compile error in the {proof.step} step: {proof.error.splitlines()[0][:500]}"
             return res
         need = parse_oom(proof.oom)
         if need is None or attempt == 2 or smallest:
             res.attn_impl = impl
             if not req.probe:
-                res.compiles.append(proof)
+                res.compiles.extend(proved)
             cache = f"the smallest cache (one {req.max_model_len}-token sequence)" if smallest else "its cache"
-            res.reason = f"does not fit: the {proof_step} step with {cache} does not compile: {proof.oom}"
+            res.reason = f"does not fit: the {proof.step} step with {cache} does not compile: {proof.oom}"
             return res
         budget -= (need[0] - need[1]) + req.margin_bytes // 2
-        res.notes.append(f"the proof compile needed {_g(need[0] - need[1])} more than available; cache shrunk")
+        res.notes.append(f"the proof compile of {proof.step} needed {_g(need[0] - need[1])} more than available; "
+                         f"cache shrunk")
     if not req.probe:
-        # Fast mode sized the cache from a guess; with the proof's own overhead known, one more compile takes the
+        # Fast mode sized the cache from a guess; with the proof's own overhead known, one more round takes the
         # rest of the chip when the guess left a visible amount unused (or shrinks it when the margin was eaten).
         exact = chip.hbm_limit - req.margin_bytes - proof.overhead_bytes
         if abs(exact - budget) > max(256 * MiB, budget // 20):
             better = plan_kv(cfg, exact, **plan_kw)
             if better.fits:
-                again = compile_at(proof_step, better.num_pages)
-                if again.ok:
-                    plan, proof, budget = better, again, exact
-                    res.proof, res.kv_budget_bytes = again, exact
+                again, top = prove(order, better.num_pages)
+                if top.ok:
+                    plan, proved, proof, budget = better, again, top, exact
+                    res.proof, res.kv_budget_bytes = top, exact
                 else:
-                    res.notes.append(f"resizing the cache to the measured overhead did not compile "
-                                     f"({(again.oom or again.error or '')[:200]}); kept the first proven size")
-        res.compiles.append(proof)
+                    res.notes.append(f"resizing the cache to the measured overhead did not compile ({top.step}: "
+                                     f"{(top.oom or top.error or '')[:200]}); kept the first proven size")
+        res.compiles.extend(proved)
     res.attn_impl = impl
     res.fits = True
     if chip.hbm_limit - proof.peak_bytes < req.margin_bytes:
@@ -646,12 +706,13 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     res.kv_seqs_at_max_len = plan.seqs_at_max_len
     vllm_bpt = res.kv_bytes_per_token_vllm
     res.kv_tokens_vllm_style = int(plan.cache_bytes // vllm_bpt) if vllm_bpt else 0
-    res.reason = (f"fits: the {proof_step} step compiles for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} "
-                  f"KV cache, peak {_g(proof.peak_bytes)} of {_g(chip.hbm_limit)}")
+    which = f"the {proof.step} step compiles" if len(order) == 1 else f"all {len(order)} steps compile"
+    res.reason = (f"fits: {which} for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} KV cache, peak "
+                  f"{_g(proof.peak_bytes)} of {_g(chip.hbm_limit)}")
     if req.probe and len(steps) > 1:
-        other = [c.step for c in res.compiles if c.step != proof_step]
-        res.notes.append(f"{', '.join(other)} needs less HBM besides the cache than {proof_step} (same weights and "
-                         f"cache), so it fits at this cache size too (compiled with a small cache only)")
+        other = [c.step for c in res.compiles if c.step != proof.step]
+        res.notes.append(f"{', '.join(other)} need less HBM besides the cache than {proof.step} (same weights and "
+                         f"cache), so they fit at this cache size too (compiled with a small cache only)")
     if plan.seqs_at_max_len < req.max_num_seqs:
         res.notes.append(f"the cache holds {plan.seqs_at_max_len:.1f} sequences of {req.max_model_len} tokens at "
                          f"once, fewer than max_num_seqs={req.max_num_seqs}: more sequences run only while shorter")
@@ -680,7 +741,8 @@ def format_report(r: AotResult) -> str:
     ]
     for c in r.compiles:
         if c.ok:
-            lines.append(f"  {c.step:<8}        T={c.tokens} S={c.seqs}: {c.pallas_calls} Pallas kernel calls, "
+            lines.append(f"  {c.step:<15} T={c.tokens} S={c.seqs}{' decode-only' if c.decode_only else ''}: "
+                         f"{c.pallas_calls} Pallas kernel calls, "
                          f"temporaries {_g(c.temp_bytes)}, code "
                          f"{c.code_bytes / MiB:.1f} MiB, step inputs+outputs "
                          f"{_g(c.overhead_bytes - c.temp_bytes - c.code_bytes - r.weight_bytes)} "

@@ -5,6 +5,7 @@ Full-size compiles (E2B, 12B) take minutes on two cores: they are marked slow (`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import math
@@ -24,16 +25,10 @@ from gemmajax.model import gemma  # noqa: E402
 KiB, GiB = 1024, 1 << 30
 
 
-def _has_libtpu() -> bool:
-    try:
-        from jax.experimental import topologies
-        topologies.get_topology_desc("v5e:1x1", platform="tpu")
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-needs_libtpu = pytest.mark.skipif(not _has_libtpu(), reason="libtpu is not installed (pip install libtpu)")
+# Only a missing libtpu skips: with libtpu installed, any error it raises (a topology it cannot describe, a broken
+# compile) fails the test that met it.
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install libtpu)")
 
 
 def tiny_cfg(vocab: int = 1024) -> ModelConfig:
@@ -159,6 +154,53 @@ def test_weight_bytes_match_anchor_builds():
     assert aot.tree_bytes(aot.abstract_model_weights(cfg, "w4a16")) / GiB == pytest.approx(7.59, abs=0.05)
 
 
+# --------------------------------------------------------------------------------------------- the programs
+
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(8, 64), (48, 512), (16, 512), (64, 64)])
+def test_step_shapes_are_the_engines(monkeypatch, max_num_seqs, max_num_batched_tokens):
+    """aot's shapes are the ones a real LLMEngine runs: `aot.step_shapes(*aot.engine_buckets(...))` equals
+    `LLMEngine.step_shapes()` of an engine on the tiny model with the same limits, built as on a TPU backend
+    (default buckets: powers of 2, no CPU dense ladder), so the two rules cannot drift apart. The programs aot
+    compiles are that list's largest all-decode shape (T = S = its largest sequence bucket, decode_only) and its
+    largest mixed shape, each greedy and with logits. The old rule compiled decode at (bucket(S) in the token
+    buckets, S) without decode_only, e.g. (16, 8) for 8 sequences: a program the engine never runs."""
+    from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+
+    cfg = tiny_cfg()
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # the engine's choices for an accelerator
+    eng = LLMEngine(cfg, aot.abstract_model_weights(cfg), None, EngineConfig(
+        max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, page_size=32,
+        kv_cache_memory=1 << 22))
+    monkeypatch.undo()
+    shapes = eng.step_shapes()
+    assert aot.step_shapes(*aot.engine_buckets(max_num_seqs, max_num_batched_tokens)) == shapes
+    assert aot.step_shapes(eng.s_buckets, eng.t_buckets) == shapes
+    progs = aot.programs(aot.AotRequest(cfg=cfg, max_model_len=256, max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=max_num_batched_tokens))
+    assert set(progs) == set(aot.STEPS)
+    s_max = eng.s_buckets[-1]
+    want = {"decode": (s_max, s_max, True), "prefill": max(x for x in shapes if not x[2])}
+    assert want["prefill"] == (max_num_batched_tokens, s_max, False)
+    for name, p in progs.items():
+        assert (p.tokens, p.seqs, p.decode_only) == want[name.removesuffix("-greedy")], name
+        assert p.greedy == name.endswith("-greedy")
+        assert (p.tokens, p.seqs, p.decode_only) in shapes
+    # the padding inputs carry the program's decode_only flag on every group, as LLMEngine.precompile sets it
+    spec = aot._spec(aot.AotRequest(cfg=cfg, max_model_len=256), (2, 2), "ref")
+    for p in progs.values():
+        inp = aot.program_inputs(spec, p)
+        assert inp.token_ids.shape == (p.tokens,) and inp.logits_indices.shape == (p.seqs,)
+        assert all(m.decode_only == p.decode_only for m in inp.metas)
+        assert all(m.decode_only for m in inp.shared_metas)
+
+
+def test_unknown_step_is_an_error():
+    req = aot.AotRequest(cfg=tiny_cfg(), max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64,
+                         steps=("decode", "verify"))
+    with pytest.raises(ValueError, match="expected one or more of"):
+        aot.analyze(req)
+
+
 # --------------------------------------------------------------------------------------------- the compiler
 
 @needs_libtpu
@@ -221,7 +263,15 @@ def test_tiny_model_fits_v5e_with_pallas_and_proof_compile():
         if "tok/s" in line:
             assert line.count("(projection)") == line.count("tok/s"), line
     assert r["attn_impl"] == "pallas"
-    assert [c["step"] for c in r["compiles"]] == ["decode", "prefill"]
+    # the engine's programs (max_num_seqs 8, 64 batched tokens): all-decode (8, 8) and the largest mixed step (64, 8),
+    # each as the greedy (tokens) and the logits variant
+    got = [(c["step"], c["tokens"], c["seqs"], c["decode_only"], c["greedy"]) for c in r["compiles"]]
+    assert got == [("decode", 8, 8, True, False), ("decode-greedy", 8, 8, True, True),
+                   ("prefill", 64, 8, False, False), ("prefill-greedy", 64, 8, False, True)]
+    by = {c["step"]: c for c in r["compiles"]}
+    for kind in ("decode", "prefill"):  # the greedy variant returns tokens int32 [8] instead of logits f32 [8, 1024]
+        saved = by[kind]["output_bytes"] - by[kind + "-greedy"]["output_bytes"]
+        assert 8 * 1024 * 4 - 4096 <= saved < 8 * 1024 * 4, (kind, saved)  # the TPU pads [8] int32 to a 512-byte tile
     # the TPU kernels are in the program: one attention call per layer (4), the int8 matmuls of every projection
     assert all(c["pallas_calls"] > 4 + 4 * 5 for c in r["compiles"])
     proof = r["proof"]

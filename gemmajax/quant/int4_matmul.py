@@ -122,8 +122,9 @@ def _dequant_t(wt: jax.Array, s: jax.Array, group: int, cd) -> jax.Array:
 def _int4_kernel(xl_ref, xh_ref, w_ref, s_ref, o_ref, st_ref, *acc, nk: int, group: int):
     """One (i, j, k) step.
 
-    xl / xh [tm, tkp] bf16 or f32 (the compute dtype): columns k*tkp.. of the low / high half of x; w [tn, tkp] uint8; s [tn, G] scales of
-    the whole rows (fetched once per j); o [tm, tn]; st [2, G/2, tn] f32 scratch: the scales transposed.
+    xl / xh [tm, tkp] bf16 or f32 (the compute dtype): columns k*tkp.. of the low / high half of x; w [tn, tkp]
+    uint8; s [tn, G] scales of the whole rows (fetched once per j); o [tm, tn]; st [2, G/2, tn] f32 scratch: the
+    scales transposed.
     """
     k = pl.program_id(2)
     g2 = st_ref.shape[1]
@@ -284,7 +285,8 @@ _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 
 
 def _bf16_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
-    """Packed rows uint8 [n, in_p / 2] and their scales -> bf16 [n, in_p] (exact: every int4 weight is a bf16 number)."""
+    """Packed rows uint8 [n, in_p / 2] and their scales -> bf16 [n, in_p] (exact: every int4 weight is a bf16
+    number)."""
     g2 = s.shape[-1] // 2
     return jnp.concatenate([_half_weight(v & 15, s[:, :g2], group),
                             _half_weight(v >> 4, s[:, g2:], group)], axis=1).astype(jnp.bfloat16)
