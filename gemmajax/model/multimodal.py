@@ -7,12 +7,25 @@ name and shape first, and one error lists every missing, misshapen or unexpected
 the text scheme (`w8a8`, `w4a16`, `qat-w4a16`) for the towers' projections only; convolutions, norms, position tables
 and clip bounds stay dense. The engine sees only `embed_multimodal` (arrays per image / clip) and `merge_embeddings`.
 
-How the text decoder consumes them (HF's Gemma4Model.forward, checked in transformers 5.24):
-  1. the text embedding is computed with every placeholder id (image / audio / video) replaced by pad_token_id, and
-     scaled by sqrt(D) as usual; then the rows at placeholder positions are *replaced* by the soft tokens, unscaled;
-  2. PLE (E2B / E4B): the token-identity part looks up pad_token_id at placeholder positions
-     (`ple_token_ids`), the context part projects the merged embeddings (soft tokens included);
-  3. `use_bidirectional_attention == "vision"` (26B, 31B, 12B): see `vision_block_ids` and the report of issue 17.
+How the text decoder consumes them (HF's Gemma4Model / Gemma4UnifiedModel.forward, transformers 5.24; reproduced
+end to end in tests/model/test_vision.py::test_merged_prompt_reproduces_hf_logits):
+  1. Embedding: the ids are embedded with every placeholder (image / audio / video) replaced by pad_token_id
+     (`ple_token_ids`) and scaled by sqrt(D) as usual; then the rows at the placeholder positions are *replaced*
+     by the soft tokens (`merge_embeddings`), which are not scaled. `<|image>` / `<image|>` are ordinary tokens.
+  2. PLE (E2B / E4B): the token-identity part looks up pad_token_id at placeholder positions (the same
+     `ple_token_ids`); the context part projects the merged embeddings, soft tokens included; i.e.
+     `gemma.per_layer_inputs(w, cfg, ple_token_ids, merged_x)`.
+  3. Masks, when text_config.use_bidirectional_attention == "vision" (26B, 31B, 12B) *and* the processor's
+     mm_token_type_ids are given (without them HF is plain causal; E2B / E4B are always causal). A block is a
+     maximal run of image / video placeholders (`vision_block_ids`; the begin / end markers and audio are not in
+     it). Gemma4ForConditionalGeneration (forward and generate) and Gemma4UnifiedForConditionalGeneration.generate:
+     full-attention layers stay causal; sliding layers let query i see key j iff (j <= i or block[i] == block[j]
+     >= 0) and i - j < sliding_window, so an image token also sees the later tokens of its image, but no key
+     sliding_window or more behind it. Gemma4UnifiedModel.forward called on its own (no mask dict) differs: it ORs
+     the block in after the window, on every layer type (full: j <= i or same block; sliding: (j <= i and
+     i - j < W) or same block). HF drops mm_token_type_ids on decode steps (new tokens are text).
+     Consequence for chunked prefill / prefix caching: an image block's K/V depend on the whole block, so a block
+     must not be split across prefill chunks (or its earlier chunk must be recomputed) on those models.
 """
 from __future__ import annotations
 

@@ -230,7 +230,8 @@ def resample(wave: np.ndarray, rate_in: int, rate_out: int, half_width: int = 32
     for j in range(-reach + 1, reach + 1):
         idx = base + j
         d = t - idx
-        win = np.kaiser(2 * reach + 1, 8.6)[np.clip(np.round(d + reach).astype(np.int64), 0, 2 * reach)]
+        r = np.clip(d / reach, -1.0, 1.0)
+        win = np.i0(8.6 * np.sqrt(1.0 - r * r)) / np.i0(8.6)                 # Kaiser window, beta 8.6
         h = cut * np.sinc(cut * d) * np.where(np.abs(d) <= reach, win, 0.0)
         ok = (idx >= 0) & (idx < len(wave))
         out += np.where(ok, wave[np.clip(idx, 0, len(wave) - 1)], 0.0) * h
