@@ -112,15 +112,17 @@ def test_int4_auto_form_by_rows(dtype, rtol):
 
 
 # ------------------------------------------------------------------------------------------------ decode attention
+@pytest.mark.parametrize("impl", ["ref", "auto"])
 @pytest.mark.parametrize("decode_only", [True, False])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("h,s_max,dt,bits", [(32, 5, f32, False), (256, 8, bf16, True)])
-def test_decode_attention_default_blocks_match_the_naive_oracle(h, s_max, dt, bits, window, decode_only):
+def test_decode_attention_default_blocks_match_the_naive_oracle(h, s_max, dt, bits, window, decode_only, impl):
     """Decode rows with the default KV blocks (`_decode_block_kv`: 128 tokens for h 32 at 5 rows, 64 for h 256 at 8
     rows), as the all-decode form (decode_only) and as a mixed step's decode rows, against dense float64 attention
     over what the cache holds (tests/kv/test_attention.naive_attention). KV lengths end inside, at and past block
     edges, so a lost or doubled block, a wrong window edge or a prefill branch that runs anyway fails; unused pages
-    are NaN. f32 pages and the engine's bf16 bit-stored pages."""
+    are NaN. f32 pages and the engine's bf16 bit-stored pages; impl "auto" lowers to the reference on the CPU
+    (platform_dependent's default branch for float pages, the logged fallback for bit-stored ones)."""
     from gemmajax.kv import attention
     from tests.kv.test_attention import make_case, naive_attention, run
 
@@ -131,7 +133,7 @@ def test_decode_attention_default_blocks_match_the_naive_oracle(h, s_max, dt, bi
         case = dataclasses.replace(case, meta=dataclasses.replace(case.meta, decode_only=True))
     block = attention._decode_block_kv(s_max, case.kv_pages.shape)
     assert block == (128 if h == 32 else 64) and max(case.kv_lens) > 2 * block  # several default blocks
-    out, _ = run(case, "ref", sm_scale=h ** -0.5, sliding_window=window)
+    out, _ = run(case, impl, sm_scale=h ** -0.5, sliding_window=window)
     out = np.asarray(out)
     want = naive_attention(case, sm_scale=h ** -0.5, window=window)
     np.testing.assert_allclose(out[:4], want, rtol=2e-4, atol=2e-4)

@@ -5,6 +5,9 @@ batched, one gather per KV block) and prefill chunks (a loop over q chunks of on
 for another sequence's KV length; both loop over KV blocks with dynamic trip counts and an online softmax.
 The kernel keeps the pages in HBM, DMAs whole pages into double-buffered VMEM by a scalar-prefetched page table,
 folds GQA into rows, and writes the step's new K/V into the (aliased) pages before any attention block reads them.
+impl="auto" is decided at lowering time (`lax.platform_dependent`: the kernel for TPU, the reference elsewhere), so
+a deviceless TPU compile from a CPU host gets the TPU program; a case the kernel cannot take is the reference on
+every platform, and says so once in the log.
 
 Einsum letters: T tokens, S sequences, N query heads, K KV heads, G = N // K query heads per KV head, H head dim,
 L KV positions of a block, Q query rows of a chunk.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import jax
@@ -31,6 +35,8 @@ from gemmajax.kv.layout import (
     sublane_tile,
     write_kv,
 )
+
+logger = logging.getLogger(__name__)
 
 # A large finite negative instead of -inf: exp(MASK - MASK) = 1 stays finite for rows with nothing to attend to.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -887,7 +893,8 @@ def ragged_paged_attention(
         pages (uint16 / uint8, the fast layout for XLA:CPU, ref only) need kv_dtype ("bf16", "fp8_e5m2", ...).
       meta: RaggedMeta of the step.
       impl: "ref" (jnp), "pallas" (TPU kernel), "pallas_interpret" (kernel in TPU interpret mode on CPU),
-        "auto" (pallas on a TPU backend when the shapes suit the kernel, else ref).
+        "auto" (chosen at lowering time: the kernel when lowered for TPU, the reference for any other platform;
+        the reference everywhere, logged once, when `kernel_supports` refuses the case, e.g. bit-stored pages).
       block_q, block_kv: tile sizes in tokens (None: the implementation's default); for tuning and tests.
     Returns:
       out: [T_pad, N, H] in q.dtype; kv_pages: the updated pages (the input itself in read-only mode).
@@ -914,7 +921,7 @@ def ragged_paged_attention(
         "block_kv": block_kv,
     }
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "tpu" and kernel_supports(kv_pages, q, meta) is None else "ref"
+        return _auto(q, k_new, v_new, kv_pages, meta, kv_dtype, kw)
     if impl == "ref":
         return ragged_paged_attention_ref(q, k_new, v_new, kv_pages, meta, kv_dtype=kv_dtype, **kw)
     page_dtype(kv_pages, kv_dtype)  # a kv_dtype that contradicts the pages is an error on every path
@@ -923,3 +930,23 @@ def ragged_paged_attention(
     if impl == "pallas_interpret":
         return ragged_paged_attention_pallas(q, k_new, v_new, kv_pages, meta, interpret=True, **kw)
     raise ValueError(f"impl must be 'auto', 'ref', 'pallas' or 'pallas_interpret'; got {impl!r}")
+
+
+_FALLBACKS_LOGGED: set[str] = set()
+
+
+def _auto(q, k_new, v_new, kv_pages, meta, kv_dtype, kw) -> tuple[jax.Array, jax.Array]:
+    """impl="auto": `lax.platform_dependent` picks the kernel when the program is lowered for TPU and the reference
+    for every other platform (one rule with gemmajax.quant's "auto"). The kernel's limits are shapes and dtypes,
+    known at trace time: a case it cannot take runs the reference on every platform, logged once per reason."""
+    ref = functools.partial(ragged_paged_attention_ref, kv_dtype=kv_dtype, **kw)
+    reason = kernel_supports(kv_pages, q, meta)
+    if reason is not None:
+        if reason not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(reason)
+            logger.info("ragged_paged_attention impl='auto': the Pallas kernel cannot take this case (%s); the jnp "
+                        "reference runs instead, on every platform", reason)
+        return ref(q, k_new, v_new, kv_pages, meta)
+    page_dtype(kv_pages, kv_dtype)  # a kv_dtype that contradicts the pages is an error on every path
+    kernel = functools.partial(ragged_paged_attention_pallas, **kw)
+    return lax.platform_dependent(q, k_new, v_new, kv_pages, meta, tpu=kernel, default=ref)

@@ -99,6 +99,45 @@ def test_kv_shared_layer_fp8_e4m3_read_only(chip):
     _compile(chip, head_dim=256, window=512, dtype=jnp.float8_e4m3fn, page_size=32, t_pad=256, s_max=32, read_only=True)
 
 
+def test_auto_lowers_to_the_kernel_for_tpu_and_the_reference_elsewhere(monkeypatch, caplog):
+    """impl="auto" is a lowering-time choice (as gemmajax.quant's): the same traced call lowered for a TPU device
+    contains the Mosaic kernel, lowered for the CPU it does not. Bit-stored pages (the CPU engine's layout) are a
+    case the kernel cannot take: the reference on TPU too, said once in the log however often it is traced."""
+    if _LIBTPU_ERROR:
+        pytest.skip(_LIBTPU_ERROR)
+    from jax.experimental import topologies
+
+    from gemmajax.kv import attention
+
+    dev = jax.sharding.SingleDeviceSharding(topologies.get_topology_desc("v5e:1x1", platform="tpu").devices[0])
+    t, n, nk, h, ps, s_max, p_max = 16, 8, 1, 256, 32, 8, 64
+
+    def lowered(page_dtype, sharding=None, kv_dtype=None):
+        def sds(shape, dt):
+            return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+        meta = RaggedMeta(cu_q_lens=sds((s_max + 1,), jnp.int32), kv_lens=sds((s_max,), jnp.int32),
+                          page_indices=sds((s_max, p_max), jnp.int32), num_seqs=sds((1,), jnp.int32))
+        kv = sds((t, nk, h), jnp.bfloat16)
+
+        def step(q, k, v, pages, meta):
+            return ragged_paged_attention(q, k, v, pages, meta, sliding_window=512, impl="auto", kv_dtype=kv_dtype)
+
+        return jax.jit(step, donate_argnums=(3,)).lower(sds((t, n, h), jnp.bfloat16), kv, kv,
+                                                        sds((64, 2 * nk, ps, h), page_dtype), meta)
+
+    tpu = lowered(jnp.bfloat16, dev)
+    assert "tpu_custom_call" in tpu.as_text()
+    assert tpu.compile().memory_analysis().alias_size_in_bytes == 64 * 2 * nk * ps * h * 2  # pages updated in place
+    assert "tpu_custom_call" not in lowered(jnp.bfloat16).as_text()
+    monkeypatch.setattr(attention, "_FALLBACKS_LOGGED", set())
+    with caplog.at_level("INFO", logger=attention.__name__):
+        for _ in range(2):
+            assert "tpu_custom_call" not in lowered(jnp.uint16, dev, kv_dtype="bf16").as_text()
+    said = [r.getMessage() for r in caplog.records if r.name == attention.__name__]
+    assert len(said) == 1 and "bit-stored" in said[0] and "reference" in said[0], said
+
+
 def test_compile_check_can_fail(monkeypatch):
     """With the wrapper's guard switched off, a page table larger than SMEM (1 MiB) is refused by the TPU compiler:
     the same check that passes above does bite. (Any page size and head dim lower; the page table is the limit.)"""
