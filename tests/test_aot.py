@@ -301,6 +301,21 @@ def test_fast_mode_lets_the_compiler_overrule_a_bad_guess():
 
 
 @needs_libtpu
+def test_fast_mode_compiles_every_program_at_full_size():
+    """The fit table's settings: every program the engine runs is compiled with the proven cache (the last of
+    `steps` first), and the reported proof is the one with the highest peak."""
+    steps = ("decode", "decode-greedy", "prefill-greedy", "prefill")
+    req = aot.AotRequest(cfg=tiny_cfg(), chip="v5e", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64,
+                         probe=False, steps=steps)
+    r = aot.analyze(req)
+    assert r.fits, r.reason
+    assert [c.step for c in r.compiles] == ["prefill", "decode", "decode-greedy", "prefill-greedy"]
+    assert all(c.ok and c.kv_pages == r.proof.kv_pages for c in r.compiles)
+    assert r.proof is max(r.compiles, key=lambda c: c.peak_bytes) and "all 4 steps compile" in r.reason
+    assert r.proof.peak_bytes <= aot.CHIPS["v5e"].hbm_limit and r.kv_cache_bytes > 14 * GiB
+
+
+@needs_libtpu
 def test_compiler_decides_does_not_fit():
     """Weights pass the cheap check, but the step's logits ([S, V] float32, 16 GiB) exceed the chip."""
     cfg = tiny_cfg(vocab=1 << 23)
