@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from gemmajax.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from gemmajax.engine.llm_engine import LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
 

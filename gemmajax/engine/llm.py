@@ -12,6 +12,7 @@ from typing import Any
 
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from gemmajax.engine.sampling_params import SamplingParams
+from gemmajax.engine.spec_decode import SpecConfig
 
 
 @dataclass
@@ -52,7 +53,7 @@ class LLM:
     def __init__(self, ckpt: str | None = None, quant: str = "none", kv_dtype: str = "auto", dtype: str = "bfloat16",
                  max_model_len: int = 8192, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  page_size: int = 32, kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-                 attn_impl: str = "auto", seed: int = 0, tokenizer=None):
+                 attn_impl: str = "auto", seed: int = 0, tokenizer=None, speculative_config: dict | None = None):
         from gemmajax.model.loader import load_model
         from gemmajax.tools.tokenizer import load_tokenizer
         _enable_compilation_cache()
@@ -68,13 +69,18 @@ class LLM:
         self.engine = LLMEngine(cfg, self.model.weights, self.tokenizer, EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, seed=seed))
+            enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, seed=seed,
+            speculative=SpecConfig.parse(speculative_config)))
         self._ids = itertools.count()
         self._template = None
 
     @property
     def config(self):
         return self.model.config
+
+    def spec_decode_stats(self) -> dict[str, int]:
+        """Cumulative speculative-decoding counts: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}."""
+        return self.engine.spec_decode_stats()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

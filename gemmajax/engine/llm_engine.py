@@ -21,9 +21,11 @@ from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
     pow2_buckets, token_buckets
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step
+from gemmajax.engine.sampler import fold_keys, request_key_data, sample, sampling_arrays
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
 from gemmajax.engine.sequence import Sequence, SequenceStatus
+from gemmajax.engine.spec_decode import SpecConfig, accepted_tokens, ngram_propose
 from gemmajax.engine.thinking import ThoughtTracker
 from gemmajax.kv.layout import resolve_auto
 from gemmajax.model import gemma
@@ -64,6 +66,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None   # step token counts compiled for (default: runner.token_buckets)
     async_scheduling: bool = True                  # dispatch decode step N+1 before reading step N's tokens
     seq_buckets: tuple[int, ...] | None = None     # step sequence counts compiled for (default: powers of 2)
+    speculative: SpecConfig | None = None          # speculative decoding (engine/spec_decode.py)
 
 
 @dataclass
@@ -73,13 +76,21 @@ class _Pending:
     scheduled: list                 # ScheduledSeq entries, in row order
     samples: list[bool]             # per entry: the step samples its next token
     s_pad: int
-    greedy: bool                    # result: tokens [s_pad] (argmax in the step) | logits [s_pad, V]
+    greedy: bool                    # result: tokens [R_pad] (argmax in the step) | logits [R_pad, V]
     result: Any
+    drafts: list[list[int]] = field(default_factory=list)   # per entry: the drafted tokens it verifies
+    masks: list = field(default_factory=list)              # per entry: grammar masks of its k + 1 rows, or None
 
     @property
     def rows(self) -> list[int]:
         """Entries that sample."""
         return [i for i, ok in enumerate(self.samples) if ok]
+
+    @property
+    def first_rows(self) -> list[int]:
+        """Per entry, its first logits row (an entry has 1 + len(drafts) rows)."""
+        return np.cumsum([0] + [1 + len(d) for d in self.drafts[:-1]]).tolist() if self.drafts else \
+            list(range(len(self.scheduled)))
 
 
 @jax.jit
@@ -97,6 +108,7 @@ class _ReqState:
     constraint: Any = None
     logprobs: list = field(default_factory=list)
     thought: ThoughtTracker | None = None
+    spec_masks: list = field(default_factory=list)   # grammar masks of the drafts being verified
 
     def forced_token(self) -> int | None:
         """The token the next sample must be, if any: `<channel|>` once the thought is at its budget (unless the
@@ -148,6 +160,11 @@ class LLMEngine:
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                                "lookahead_steps": 0}
         self._inflight: _Pending | None = None   # a dispatched lookahead step whose tokens are not read yet
+        self.spec_config = SpecConfig.parse(config.speculative)
+        if self.spec_config is not None and self.spec_config.method != "ngram":
+            raise NotImplementedError(f"speculative_config.method {self.spec_config.method!r} is not built yet; "
+                                      f"use 'ngram'")
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
     def kv_summary(self) -> str:
         """KV bytes per token and per sequence, and pages per group (sliding layers windowed, shared layers free)."""
@@ -276,6 +293,8 @@ class LLMEngine:
         self._inflight = None
         if pending is None:
             self._release_held()
+            if self.spec_config is not None:
+                self._propose()
             sched = self.scheduler.schedule()
             self.stats_counters["preemptions"] = self.scheduler.num_preemptions
             for seq in sched.finished:
@@ -283,7 +302,8 @@ class LLMEngine:
             if not sched.scheduled:
                 return outputs + self._flush_finished()
             pending = self._dispatch(sched.scheduled)
-        if self.config.async_scheduling and pending.greedy and all(pending.samples) and not self._held \
+        if self.config.async_scheduling and self.spec_config is None and pending.greedy and all(pending.samples) \
+                and not self._held \
                 and all(self._may_look_ahead(e.seq) for e in pending.scheduled):
             ahead = self.scheduler.schedule_lookahead(pending.scheduled)
             if ahead is not None:
@@ -305,19 +325,27 @@ class LLMEngine:
 
         prev: the step still running whose sampled tokens are this step's input tokens (a lookahead step: one
         decode token per sequence, each sequence in prev's batch)."""
-        entries = []
-        for seq, n in scheduled:
+        entries, drafts, masks = [], [], []
+        for e in scheduled:
+            seq, n = e
             c = seq.num_computed_tokens
-            if prev is None:
-                entries.append((seq.token_ids[c:c + n], c, n, [list(pt) for pt in seq.page_tables]))
+            if prev is None:   # a verifying decode computes its last token and its drafts
+                d = seq.spec_tokens[:e.num_spec]
+                entries.append(((seq.token_ids + d)[c:c + n], c, n, [list(pt) for pt in seq.page_tables], 1 + len(d)))
+                st = self._reqs.get(seq.request_id)
+                masks.append(st.spec_masks[:1 + len(d)] if d and st is not None and st.constraint is not None
+                             else None)
+                drafts.append(d)
             else:  # position seq.num_tokens: the token prev is sampling
                 entries.append(([0], seq.num_tokens, 1, [list(pt) for pt in seq.page_tables]))
         T = sum(n for _, n in scheduled)
         S = len(scheduled)
+        R = S + sum(len(d) for d in drafts)
         s_pad = bucket(S, self.s_buckets)
         # an all-decode step is padded to its sequence bucket (one token each), a mixed one to a token bucket
         t_pad = s_pad if T == S else max(bucket(T, self.t_buckets), s_pad)
-        inp = build_step_inputs(self.spec, entries, t_pad, s_pad)
+        r_pad = s_pad if R == S else max(bucket(R, self.t_buckets), s_pad)
+        inp = build_step_inputs(self.spec, entries, t_pad, s_pad, r_pad)
         if prev is not None:
             row = {s.seq.seq_id: i for i, s in enumerate(prev.scheduled)}
             src = np.zeros(t_pad, np.int32)
@@ -333,27 +361,37 @@ class LLMEngine:
             result = self.runner.forward_greedy(inp)
         else:
             result = self.runner.forward(inp)
-        return _Pending(list(scheduled), samples, s_pad, greedy, result)
+        return _Pending(list(scheduled), samples, s_pad, greedy, result, drafts if R > S else [], masks)
 
     def _complete(self, p: _Pending) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens, then update the scheduler and emit the outputs."""
         outputs: list[RequestOutput] = []
         sched = p.scheduled
-        sampled: dict[int, int | None] = {}
+        sampled: dict[int, int | list[int]] = {}
         lp_rows: dict[int, dict] = {}
-        rows = p.rows
+        first = p.first_rows
+        verifying = [i for i in p.rows if p.drafts and p.drafts[i]]
+        plain = [i for i in p.rows if not (p.drafts and p.drafts[i])]
         if p.greedy:
             toks_all = np.asarray(p.result)
-            for r in rows:
-                sampled[sched[r].seq.seq_id] = int(toks_all[r])
+            for i in plain:
+                sampled[sched[i].seq.seq_id] = int(toks_all[first[i]])
+            for i in verifying:
+                d = p.drafts[i]
+                sampled[sched[i].seq.seq_id] = self._accept(d, toks_all[first[i]:first[i] + 1 + len(d)])
         else:
-            seqs = [sched[r].seq for r in rows]
-            toks, lps = self._sample(p.result, seqs, rows)
-            for i, r in enumerate(rows):
-                seq = sched[r].seq
-                sampled[seq.seq_id] = int(toks[i])
-                if lps is not None:
-                    lp_rows[seq.seq_id] = lps[i]
+            if plain:
+                toks, lps = self._sample(p.result, [sched[i].seq for i in plain], [first[i] for i in plain])
+                for j, i in enumerate(plain):
+                    seq = sched[i].seq
+                    sampled[seq.seq_id] = int(toks[j])
+                    if lps is not None:
+                        lp_rows[seq.seq_id] = lps[j]
+            if verifying:
+                toks = self._verify(p, verifying, first)
+                for i in verifying:
+                    d, r = p.drafts[i], first[i]
+                    sampled[sched[i].seq.seq_id] = self._accept(d, toks[r:r + 1 + len(d)])
         self.scheduler.update_after_step(sched, sampled)
         self.stats_counters["steps"] += 1
         for seq, _ in sched:
@@ -362,19 +400,97 @@ class LLMEngine:
             st = self._reqs.get(seq.request_id)
             if st is None or st.seq is not seq or len(seq.output_token_ids) <= st.sent_tokens:
                 continue  # gone, or finished before this (lookahead) step's token was appended
-            tok = sampled[seq.seq_id]
-            self.stats_counters["generation_tokens"] += 1
-            if st.thought is not None:
-                st.thought.advance(tok)
-            if st.constraint is not None and not st.constraint.is_done():
-                st.constraint.advance(tok)
-                if st.constraint.is_done() and not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")   # the grammar admits nothing more
+            new = sampled[seq.seq_id]
+            new = new[:len(seq.output_token_ids) - st.sent_tokens] if isinstance(new, list) else [new]
+            self.stats_counters["generation_tokens"] += len(new)
+            for tok in new:   # several when drafts were accepted (cut where the sequence stopped)
+                if st.thought is not None:
+                    st.thought.advance(tok)
+                if st.constraint is not None and not st.constraint.is_done():
+                    st.constraint.advance(tok)
+                    if st.constraint.is_done() and not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")   # the grammar admits nothing more
             if seq.seq_id in lp_rows:
                 st.logprobs.append(lp_rows[seq.seq_id])
             outputs.append(self._emit(st))
         outputs += self._flush_finished(exclude={o.request_id for o in outputs})
         return outputs
+
+    def _accept(self, drafts: list[int], tokens: np.ndarray) -> list[int]:
+        new, m = accepted_tokens(drafts, tokens)
+        self.spec_stats["num_drafts"] += 1
+        self.spec_stats["num_draft_tokens"] += len(drafts)
+        self.spec_stats["num_accepted_tokens"] += m
+        return new
+
+    def _verify(self, p: _Pending, entries: list[int], first: list[int]) -> np.ndarray:
+        """Sample every row of the verifying entries as if it were a plain decode step: row j of an entry draws
+        with the key of output token num_output_tokens + j (and the grammar's mask after j drafts). A draft is
+        kept iff it equals that row's token (`accepted_tokens`), so the output is the very sequence plain decoding
+        draws with the same keys: exactly the target's distribution, and the same tokens with or without
+        drafting. (For a one-hot proposal this is rejection sampling coupled through the shared uniform: a draft
+        d is kept with probability p(d), and a rejected row's token is distributed as p without d.)"""
+        R = p.result.shape[0]
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        params, seeds, nout = [greedy] * R, [0] * R, [0] * R
+        masks = None
+        for i in entries:
+            seq, d, r = p.scheduled[i].seq, p.drafts[i], first[i]
+            for j in range(1 + len(d)):
+                params[r + j], seeds[r + j], nout[r + j] = seq.params, seq.sample_seed, seq.num_output_tokens + j
+            if p.masks[i] is not None:
+                if masks is None:
+                    masks = np.ones((R, self.model_config.vocab_size), bool)
+                for j, m in enumerate(p.masks[i]):
+                    masks[r + j] = False
+                    masks[r + j, :len(m)] = m[:self.model_config.vocab_size]
+        a = sampling_arrays(params)
+        base, data = request_key_data(seeds, nout)
+        out = sample(p.result, a["temps"], a["top_ks"], a["top_ps"], a["min_ps"], a["presence"], a["frequency"],
+                     a["repetition"], None, None, fold_keys(base, data), masks)
+        return np.asarray(out.tokens)
+
+    def _propose(self) -> None:
+        """Draft tokens for every decoding sequence that can verify them (engine/spec_decode.py). Not drafted:
+        requests with logprobs, penalties, stop strings, min_tokens still to go or a thinking budget (each needs
+        the host between two tokens); never past max_tokens or max_model_len."""
+        cfg = self.spec_config
+        for seq in self.scheduler.running:
+            seq.spec_tokens = []
+            st = self._reqs.get(seq.request_id)
+            p = seq.params
+            if (st is None or seq.num_new_tokens_to_compute != 1 or p.logprobs is not None or p.uses_penalties
+                    or p.stop or seq.num_output_tokens < p.min_tokens or p.thinking_token_budget is not None):
+                continue
+            k = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+            if k <= 0:
+                continue
+            d = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if d and st.constraint is not None:
+                d, st.spec_masks = self._grammar_masks(st.constraint, d)
+            seq.spec_tokens = d
+
+    def _grammar_masks(self, c, drafts: list[int]) -> tuple[list[int], list[np.ndarray]]:
+        """The drafts the grammar allows (cut at the first it forbids) and the grammar's masks at each verified
+        row (the k + 1 rows: after 0..k drafts). The matcher is rolled back to where it was."""
+        V = self.model_config.vocab_size
+        masks, kept = [], 0
+        for t in drafts:
+            masks.append(c.allowed_mask(V))
+            if not masks[-1][t]:
+                break
+            c.advance(t)
+            kept += 1
+        else:
+            masks.append(c.allowed_mask(V))
+        if kept:
+            c.rollback(kept)
+        return drafts[:kept], masks
+
+    def spec_decode_stats(self) -> dict[str, int]:
+        """Cumulative {"num_drafts", "num_draft_tokens", "num_accepted_tokens"} (vLLM's names)."""
+        return dict(self.spec_stats)
 
     def _sample(self, logits: jax.Array, seqs: list[Sequence], rows: list[int]):
         states = [self._reqs[s.request_id] for s in seqs]

@@ -26,7 +26,7 @@ import numpy as np
 from gemmajax.config import FULL, SLIDING, ModelConfig
 from gemmajax.engine.sampler import _argmax as greedy_argmax  # the sampler's own greedy rule: same tokens
 from gemmajax.kv.attention import RaggedMeta, ragged_paged_attention
-from gemmajax.kv.layout import KVLayout, kv_dtype as resolve_kv_dtype
+from gemmajax.kv.layout import KVLayout
 from gemmajax.model import gemma
 from gemmajax.model.gemma import pytree_dataclass
 
@@ -39,9 +39,9 @@ class StepInputs:
 
     token_ids: Any        # int32 [T]
     positions: Any        # int32 [T]
-    logits_indices: Any   # int32 [S]: row of each sequence's last scheduled token
+    logits_indices: Any   # int32 [R]: rows that get logits (R = S: each sequence's last token; more when verifying)
     metas: tuple          # per KV group: RaggedMeta over the T tokens
-    shared_metas: tuple   # per KV group: RaggedMeta with one query (the last token) per sequence
+    shared_metas: tuple   # per KV group: RaggedMeta over the R logits rows (KV-shared layers compute only those)
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ def abstract_caches(spec: RunnerSpec, sharding=None) -> tuple:
 
 
 def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
-    """Run the scheduled tokens through the model. Returns (logits [S, V] float32 of each sequence's last
-    token, updated kv)."""
+    """Run the scheduled tokens through the model. Returns (logits [R, V] float32 of the logits rows: each
+    sequence's last token, or its verified tokens; updated kv)."""
     h, kv = model_hidden(weights, spec, kv, inp)
     return gemma.lm_head(weights, spec.cfg, h).astype(f32), kv
 
@@ -192,37 +192,48 @@ def token_buckets(lo: int, hi: int, dense: bool = False) -> tuple[int, ...]:
     return tuple(sorted(set(pow2_buckets(lo, hi)) | set(mids)))
 
 
-def build_step_inputs(spec: RunnerSpec, entries: list[tuple[list[int], int, int, list[list[int]]]],
-                      t_pad: int, s_pad: int) -> StepInputs:
-    """entries: per sequence (token ids to compute, start position, num tokens, page tables per group).
+def build_step_inputs(spec: RunnerSpec, entries: list[tuple], t_pad: int, s_pad: int,
+                      r_pad: int | None = None) -> StepInputs:
+    """entries: per sequence (token ids to compute, start position, num tokens, page tables per group[, logits
+    rows]): the last `logits rows` tokens of the entry (default 1) get logits, e.g. 1 + k for a speculative
+    verification of k drafted tokens. r_pad: the padded number of logits rows (default s_pad, one per sequence).
 
-    Returns numpy-backed StepInputs padded to t_pad tokens and s_pad sequences."""
+    Returns numpy-backed StepInputs padded to t_pad tokens, s_pad sequences and r_pad logits rows."""
     n = len(entries)
+    r_pad = s_pad if r_pad is None else r_pad
     tok = np.zeros(t_pad, np.int32)
     pos = np.zeros(t_pad, np.int32)
     cu = np.zeros(s_pad + 1, np.int32)
     kv_lens = np.zeros(s_pad, np.int32)
-    last = np.zeros(s_pad, np.int32)
+    rows = np.zeros(r_pad, np.int32)
+    cu_rows = np.zeros(s_pad + 1, np.int32)
     tables = [np.zeros((s_pad, spec.max_pages_per_seq), np.int32) for _ in spec.groups]
-    t = 0
-    for i, (ids, start, num, pts) in enumerate(entries):
+    t = r = 0
+    for i, (ids, start, num, pts, *more) in enumerate(entries):
+        nr = more[0] if more else 1
         tok[t:t + num] = ids
         pos[t:t + num] = np.arange(start, start + num)
         t += num
         cu[i + 1] = t
         kv_lens[i] = start + num
-        last[i] = t - 1
+        rows[r:r + nr] = np.arange(t - nr, t)
+        r += nr
+        cu_rows[i + 1] = r
         for g, pt in enumerate(pts):
             tables[g][i, :len(pt)] = pt
+    if r > r_pad:
+        raise ValueError(f"build_step_inputs: {r} logits rows do not fit r_pad={r_pad}")
     cu[n + 1:] = t
+    cu_rows[n + 1:] = r
     num = np.array([n], np.int32)
     dec = t == n and t_pad == s_pad  # one token per sequence: the attention's decode-only form
     metas = tuple(RaggedMeta(cu_q_lens=cu, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=dec)
                   for tab in tables)
-    cu1 = np.minimum(np.arange(s_pad + 1, dtype=np.int32), n)  # KV-shared layers: each sequence's last token only
-    shared = tuple(RaggedMeta(cu_q_lens=cu1, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=True)
+    # KV-shared layers: only the tokens that get logits (the last of each sequence, or its verified tokens)
+    one = r == n and r_pad == s_pad
+    shared = tuple(RaggedMeta(cu_q_lens=cu_rows, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=one)
                    for tab in tables)
-    return StepInputs(token_ids=tok, positions=pos, logits_indices=last, metas=metas, shared_metas=shared)
+    return StepInputs(token_ids=tok, positions=pos, logits_indices=rows, metas=metas, shared_metas=shared)
 
 
 @functools.lru_cache(maxsize=16)

@@ -248,6 +248,26 @@ def _thresholds(y: jax.Array, row_max: jax.Array, top_ks: jax.Array, top_ps: jax
 
 
 # -- the sampler -----------------------------------------------------------------------------------------
+def _filtered(x: jax.Array, greedy: jax.Array, temps: jax.Array, top_ks: jax.Array, top_ps: jax.Array,
+              min_ps: jax.Array, candidate_k: int) -> tuple[jax.Array, jax.Array]:
+    """The distribution a sampled row draws from, as scaled logits: temperature, then min-p, top-k and top-p
+    (excluded tokens -inf). x: f32 [B, V] masked, penalised logits. Returns (y [B, V], row max [B])."""
+    b, v = x.shape
+    y = x / jnp.where(greedy, 1.0, temps)[:, None]
+    row_max = jnp.max(y, axis=-1)
+    floor = row_max + jnp.log(jnp.maximum(min_ps, jnp.finfo(jnp.float32).tiny))  # p >= min_p * p_max
+    y = jnp.where((min_ps > 0)[:, None] & (y < floor[:, None]), NEG_INF, y)
+    filtered = ((top_ks > 0) & (top_ks < v)) | (top_ps < 1.0)
+    tau = lax.cond(jnp.any(filtered & ~greedy), lambda: _thresholds(y, row_max, top_ks, top_ps, candidate_k),
+                   lambda: jnp.full((b,), NEG_INF, jnp.float32))
+    return jnp.where(y >= tau[:, None], y, NEG_INF), row_max
+
+
+def _uniform(keys: jax.Array) -> jax.Array:
+    """One uniform in (0, 1] per row. keys: uint32 [B, 2]."""
+    return 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "candidate_k"))
 def sample(logits: jax.Array, temps: jax.Array, top_ks: jax.Array, top_ps: jax.Array, min_ps: jax.Array,
            presence: jax.Array, frequency: jax.Array, repetition: jax.Array, output_counts: jax.Array | None,
@@ -288,16 +308,8 @@ def sample(logits: jax.Array, temps: jax.Array, top_ks: jax.Array, top_ps: jax.A
     greedy_tokens = _argmax(x)
 
     def draw() -> jax.Array:
-        y = x / jnp.where(greedy, 1.0, temps)[:, None]
-        row_max = jnp.max(y, axis=-1)
-        floor = row_max + jnp.log(jnp.maximum(min_ps, jnp.finfo(jnp.float32).tiny))  # p >= min_p * p_max
-        y = jnp.where((min_ps > 0)[:, None] & (y < floor[:, None]), NEG_INF, y)
-        filtered = ((top_ks > 0) & (top_ks < v)) | (top_ps < 1.0)
-        tau = lax.cond(jnp.any(filtered & ~greedy), lambda: _thresholds(y, row_max, top_ks, top_ps, candidate_k),
-                       lambda: jnp.full((b,), NEG_INF, jnp.float32))
-        y = jnp.where(y >= tau[:, None], y, NEG_INF)
-        u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # (0, 1]
-        return _draw(y, row_max, u)
+        y, row_max = _filtered(x, greedy, temps, top_ks, top_ps, min_ps, candidate_k)
+        return _draw(y, row_max, _uniform(keys))
 
     drawn = lax.cond(jnp.all(greedy), lambda: greedy_tokens, draw)
     tokens = jnp.where(greedy, greedy_tokens, drawn)

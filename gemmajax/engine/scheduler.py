@@ -55,8 +55,9 @@ class SchedulerConfig:
 
 
 class ScheduledSeq(NamedTuple):
-    """One sequence of a step: compute token_ids[c : c + num_new_tokens] at positions c.., where
-    c = seq.num_computed_tokens (until update_after_step advances it)."""
+    """One sequence of a step: compute (token_ids + spec_tokens)[c : c + num_new_tokens] at positions c.., where
+    c = seq.num_computed_tokens (until update_after_step advances it). A decode that verifies k drafted tokens
+    (seq.spec_tokens) has num_new_tokens = 1 + k."""
 
     seq: Sequence
     num_new_tokens: int
@@ -65,7 +66,12 @@ class ScheduledSeq(NamedTuple):
     def samples(self) -> bool:
         """True when this step completes the sequence's known tokens, so the step samples its next token
         (false for a partial prefill chunk). Valid until update_after_step."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+
+    @property
+    def num_spec(self) -> int:
+        """Drafted tokens this step verifies."""
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens if self.samples else 0
 
 
 @dataclasses.dataclass
@@ -203,6 +209,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_tokens.clear()
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
@@ -230,7 +237,14 @@ class Scheduler:
                     i += 1
                     continue
                 n = min(remaining, budget, cfg.max_chunk)
-                while not bm.allocate(seq, n):
+                if decodes and seq.spec_tokens:   # verify the drafts too, as far as the budget allows
+                    del seq.spec_tokens[max(0, min(budget, cfg.max_chunk) - 1):]
+                    n = 1 + len(seq.spec_tokens)
+                while not bm.allocate(seq, n, ahead=len(seq.spec_tokens) if decodes else 0):
+                    if decodes and seq.spec_tokens:   # short of pages: verify no drafts rather than preempt
+                        seq.spec_tokens.clear()
+                        n = 1
+                        continue
                     victim = next(s for s in reversed(self.running) if s.seq_id not in in_step)
                     if victim is seq and len(self.running) == 1:
                         # Alone and still short of pages: cannot happen for requests that passed add().
@@ -308,7 +322,8 @@ class Scheduler:
 
         Args:
           scheduled: the SchedulerOutput (or its `scheduled` list) of the step.
-          sampled_token_ids: seq_id -> sampled token (None or absent for partial prefills).
+          sampled_token_ids: seq_id -> sampled token (None or absent for partial prefills), or for a sequence that
+            verified drafts, the list of its new tokens: the accepted drafts, then the token sampled after them.
         Returns:
           the sequences that finished in this step.
         """
@@ -319,18 +334,33 @@ class Scheduler:
         for seq, n in scheduled:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted (or finished by the runner) since schedule()
+            num_spec = ScheduledSeq(seq, n).num_spec
+            seq.spec_tokens.clear()
+            if num_spec:
+                n -= num_spec   # the drafts' K/V count once accepted (below); rejected ones are overwritten later
             seq.num_computed_tokens += n
             if seq.num_computed_tokens > seq.num_tokens:
                 raise RuntimeError(f"{seq!r}: {n} tokens were scheduled past the end of the sequence")
-            bm.cache_full_pages(seq)
             if seq.num_computed_tokens < seq.num_tokens:
+                bm.cache_full_pages(seq)
                 bm.release_out_of_window(seq)
                 continue
-            token = sampled_token_ids.get(seq.seq_id)
-            if token is None:
+            tokens = sampled_token_ids.get(seq.seq_id)
+            if tokens is None:
                 raise ValueError(f"update_after_step: no sampled token for {seq!r}, whose prefill is complete")
-            seq.append_token(token)
-            reason, stop_reason = self._stop_reason(seq, int(token))
+            tokens = [tokens] if isinstance(tokens, int) or not hasattr(tokens, "__len__") else list(tokens)
+            if len(tokens) > 1 + num_spec:
+                raise ValueError(f"update_after_step: {len(tokens)} new tokens for {seq!r}, which verified "
+                                 f"{num_spec} drafts")
+            reason = None
+            for i, token in enumerate(tokens):
+                if i:   # an accepted draft: its K/V were written by this step
+                    seq.num_computed_tokens += 1
+                seq.append_token(token)
+                reason, stop_reason = self._stop_reason(seq, int(token))
+                if reason is not None:
+                    break
+            bm.cache_full_pages(seq)
             if reason is None:
                 bm.release_out_of_window(seq)
             else:

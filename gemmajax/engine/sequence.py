@@ -81,6 +81,9 @@ class Sequence:
         self.num_hashed_pages: list[int] = []
         self.num_released_pages: list[int] = []
         self.page_hashes: dict[int, list[bytes]] = {}
+        # Speculative decoding: tokens drafted after token_ids, verified by the next step (never in token_ids
+        # until accepted, so preemption, prefix hashes and stop checks only ever see real tokens).
+        self.spec_tokens: list[int] = []
 
     # -- token views -------------------------------------------------------------------------------------
     @property

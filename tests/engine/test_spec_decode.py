@@ -1,0 +1,192 @@
+"""Speculative decoding is lossless: greedy outputs with n-gram drafting equal outputs without, token for token,
+through continuous batching, chunked prefill, prefix caching, sliding windows, KV-shared layers, preemption and
+aborts; the sampled acceptance rule keeps the target's distribution exactly (chi-square against softmax)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemmajax
+from gemmajax.engine import sampler as S
+from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+from gemmajax.engine.sampling_params import SamplingParams
+from gemmajax.engine.spec_decode import SpecConfig, accepted_tokens, ngram_propose
+from tests.golden.hf_models import build_hf, save_text_checkpoint
+
+
+def test_ngram_propose_hand_computed():
+    ids = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert ngram_propose(ids, 3, 2, 4) == [8, 9, 5]          # "5 6 7" seen before, followed by 8 9 5
+    assert ngram_propose(ids, 1, 2, 4) == [8]
+    assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []       # nothing repeats
+    assert ngram_propose([1, 2, 1, 2, 1, 2], 2, 2, 2) == [1, 2]  # the latest match followed by 2 tokens: at 2
+    assert ngram_propose([1, 2, 9, 1, 2, 8, 1, 2], 1, 2, 2) == [8]   # the latest match
+    assert ngram_propose([1, 2, 9, 1, 2, 8, 1, 2], 3, 2, 2) == [8, 1, 2]   # the latest, 3 tokens after it
+    assert ngram_propose([1, 2, 9, 1, 2, 8, 1, 2], 4, 2, 2) == [9, 1, 2, 8]   # the latest with 4 after it
+    assert ngram_propose([4, 4, 4], 5, 1, 1) == [4, 4]       # none has 5 after it: the earliest, all that follows
+    assert ngram_propose([3, 9, 3], 2, 2, 3) == []           # n_min 2: the single-token match does not count
+
+
+def test_accepted_tokens():
+    assert accepted_tokens([4, 5, 6], np.array([4, 5, 9, 1])) == ([4, 5, 9], 2)
+    assert accepted_tokens([4, 5, 6], np.array([4, 5, 6, 1])) == ([4, 5, 6, 1], 3)   # all kept + bonus
+    assert accepted_tokens([4], np.array([7, 1])) == ([7], 0)
+
+
+def test_spec_config_errors():
+    assert SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3}).num_speculative_tokens == 3
+    assert SpecConfig.parse({"model": "/x", "num_speculative_tokens": 2}).method == "draft_model"
+    with pytest.raises(ValueError, match="unknown field"):
+        SpecConfig.parse({"method": "ngram", "k": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpecConfig.parse({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2})
+
+
+@pytest.mark.parametrize("temp,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8)])
+def test_coupled_verification_keeps_the_target_distribution(temp, top_k, top_p):
+    """The engine's rule at a drafted position: sample the row as plain decoding would, keep the draft iff it is
+    that token. Over 40,000 keys: the draft is kept with probability p(d), a rejected row never yields d, and the
+    resulting token is distributed as the filtered softmax p (chi-square over tokens with expected count >= 5)."""
+    rng = np.random.default_rng(0)
+    v, n = 64, 40_000
+    logits = rng.normal(size=v).astype(np.float32) * 2
+    d = int(np.argsort(logits)[-3])                    # a plausible but not the most likely draft
+    x = logits / temp
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    # vLLM's order: top-k, renormalise, then the most likely tokens until their mass reaches top_p
+    order = np.argsort(-p)
+    k = top_k or v
+    pk = np.where(np.arange(v) < k, p[order], 0.0)
+    pk /= pk.sum()
+    before = np.cumsum(pk) - pk
+    keep = np.zeros(v, bool)
+    keep[order[(np.arange(v) < k) & (before < top_p)]] = True
+    q = np.where(keep, p, 0)
+    q /= q.sum()
+    base, data = S.request_key_data(list(range(n)), [0] * n)
+    col = lambda a, dt=jnp.float32: jnp.full((n,), a, dt)  # noqa: E731
+    toks = np.asarray(S.sample(jnp.broadcast_to(jnp.asarray(logits), (n, v)), col(temp), col(top_k, jnp.int32),
+                               col(top_p), col(0.0), col(0.0), col(0.0), col(1.0), None, None,
+                               S.fold_keys(jnp.asarray(base), jnp.asarray(data))).tokens)
+    out = [accepted_tokens([d], np.array([t, 0]))[0][0] for t in toks]
+    kept = np.array([accepted_tokens([d], np.array([t, 0]))[1] for t in toks], bool)
+    counts = np.bincount(out, minlength=v)
+    assert counts[~keep].sum() == 0
+    exp = q * n
+    big = exp >= 5
+    chi2 = (((counts - exp) ** 2 / np.where(big, exp, 1))[big]).sum()
+    dof = big.sum() - 1
+    # P(chi2 > dof + 5 sqrt(2 dof)) is about 1e-5 for these dof: a correct rule fails this once in 100,000 runs
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+    assert abs(kept.mean() - q[d]) < 5 * np.sqrt(q[d] * (1 - q[d]) / n)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m, cfg = build_hf("e2b", seed=7)
+    return gemmajax.load_model(save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("spec_e2b"))), "float32")
+
+
+def _prompts(seed, n):
+    """Prompts that invite copying (a repeated motif) and ones that do not, of mixed lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        motif = rng.integers(3, 512, size=rng.integers(3, 7)).tolist()
+        tail = rng.integers(3, 512, size=rng.integers(1, 12)).tolist()
+        out.append(motif * int(rng.integers(2, 5)) + tail if i % 3 else tail + [7] * 3)
+    return out
+
+
+def spy_accepts(eng) -> list[tuple[int, int]]:
+    """Record (drafts, accepted) of every verification the engine makes."""
+    accepts, orig = [], eng._accept
+
+    def spy(d, t):
+        out = orig(d, t)
+        accepts.append((len(d), len(out) - 1))
+        return out
+    eng._accept = spy
+    return accepts
+
+
+def _run(model, tok, prompts, params, spec=None, abort_at=None, **kw):
+    cfg = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=24, page_size=8, kv_cache_memory=1 << 22,
+               token_buckets=(8, 24), seq_buckets=(3,), speculative=spec)
+    cfg.update(kw)
+    eng = LLMEngine(model.config, model.weights, tok, EngineConfig(**cfg))
+    accepts = spy_accepts(eng)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    done, steps = {}, 0
+    while eng.has_unfinished():
+        if abort_at is not None and steps == abort_at[0]:
+            eng.abort_request(abort_at[1])
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+        assert steps < 3000
+    bm = eng.block_manager
+    for g in bm.groups:
+        assert bm.num_free_pages(g.name) == g.num_pages - 1, g
+    return [done[f"r{i}"] for i in range(len(prompts))], eng, accepts
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_ngram_greedy_equals_plain_decoding(model, gemma4_tokenizer, prefix_caching):
+    prompts = _prompts(1, 7)
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in (20, 9, 30, 14, 25, 3, 18)]
+    spec = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    want, plain, _ = _run(model, gemma4_tokenizer, prompts, params, enable_prefix_caching=prefix_caching)
+    got, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, enable_prefix_caching=prefix_caching)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == ["length"] * 7
+    st = eng.spec_decode_stats()
+    assert st["num_drafts"] == len(accepts) > 0 and st["num_draft_tokens"] == sum(k for k, _ in accepts)
+    assert st["num_accepted_tokens"] == sum(m for _, m in accepts) > 0
+    assert eng.stats_counters["steps"] < plain.stats_counters["steps"]   # fewer steps than one token at a time
+
+
+def test_ngram_on_the_real_model(gguf_file):
+    """Gemma 3 270M, float32, prompts that invite copying: equal greedy text with and without drafting, and every
+    acceptance path runs (all drafts kept plus the bonus token, some kept, none kept)."""
+    llm = gemmajax.LLM(gguf_file, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                       page_size=16, kv_cache_memory=1 << 26)
+    prompts = ["Repeat this list: apple, banana, cherry, apple, banana, cherry, apple,",
+               "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+               "The capital of France is"]
+    p = gemmajax.SamplingParams(max_tokens=40, ignore_eos=True)
+    want = llm.generate(prompts, p)
+    spec = gemmajax.LLM(gguf_file, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                        page_size=16, kv_cache_memory=1 << 26,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    accepts = spy_accepts(spec.engine)
+    got = spec.generate(prompts, p)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(m == k for k, m in accepts) and any(0 < m < k for k, m in accepts) and any(m == 0 for _, m in accepts)
+    st = spec.spec_decode_stats()
+    assert st["num_accepted_tokens"] == sum(m for _, m in accepts)
+
+
+def test_ngram_with_preemption_abort_and_seeded_sampling(model, gemma4_tokenizer):
+    prompts = _prompts(2, 6)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in prompts]
+    params[2] = SamplingParams(max_tokens=24, temperature=0.8, top_k=30, seed=9, ignore_eos=True)
+    spec = SpecConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    kw = dict(max_num_batched_tokens=16, token_buckets=(8, 16))
+    want, _, _ = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=1 << 22, **kw)
+    # a pool too small for three sequences at once (5 + 21 pages of 8): preemption by recompute in the middle of
+    # speculation, and an abort
+    small, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=140_000,
+                               abort_at=(6, "r4"), **kw)
+    assert eng.spec.num_pages == (5, 21) and eng.scheduler.num_preemptions > 0 and accepts
+    for i, (a, b) in enumerate(zip(want, small)):
+        if i == 4:
+            assert b.finish_reason == "abort"
+        else:
+            assert a.token_ids == b.token_ids, i   # the seeded sampled request too: its draws follow its tokens
+    plain, _, _ = _run(model, gemma4_tokenizer, prompts, params, **kw)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in want]   # the sampled one too: same keys, same draws
