@@ -42,10 +42,12 @@ from gemmajax.engine.runner import (  # noqa: E402
     compiled_step,
     kv_groups,
     pow2_buckets,
+    step_shapes,
     token_buckets,
 )
 from gemmajax.kv.attention import kernel_supports  # noqa: E402
 from gemmajax.kv.layout import kv_dtype as resolve_kv_dtype  # noqa: E402
+from gemmajax.kv.layout import resolve_auto  # noqa: E402
 from gemmajax.model import gemma  # noqa: E402
 
 GiB = 1 << 30
@@ -82,7 +84,7 @@ class AotRequest:
     chip: str = "v5e"
     topology: str = "1x1"
     quant: str = "none"
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "auto"               # "auto" = the model's dtype, as the engine
     max_model_len: int = 8192
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -437,15 +439,6 @@ def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tupl
     return pow2_buckets(1, max_num_seqs), token_buckets(16, max_num_batched_tokens)
 
 
-def step_shapes(s_buckets: tuple[int, ...], t_buckets: tuple[int, ...]) -> list[tuple[int, int, bool]]:
-    """Every (tokens T, sequences S, decode_only) shape an engine with these buckets runs: all-decode steps padded
-    to a sequence bucket (T = S, decode_only), mixed steps to max(token bucket, sequence bucket). The rule of
-    `LLMEngine.step_shapes` (`_dispatch` pads this way); tests/test_aot.py checks the two agree on a real engine."""
-    shapes = [(s, s, True) for s in s_buckets]
-    shapes += sorted({(max(t, s), s, False) for s in s_buckets for t in t_buckets})
-    return shapes
-
-
 @dataclass(frozen=True)
 class Program:
     """One program the engine runs: a step shape and the variant (greedy: tokens out; else logits)."""
@@ -558,7 +551,7 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     if req.max_num_seqs > req.max_num_batched_tokens:
         raise ValueError(f"max_num_seqs={req.max_num_seqs} exceeds max_num_batched_tokens="
                          f"{req.max_num_batched_tokens}: a decode step of every sequence would not fit one step")
-    resolve_kv_dtype(req.kv_dtype)
+    req = dataclasses.replace(req, kv_dtype=resolve_auto(req.kv_dtype, req.dtype))
     chip = CHIPS[req.chip]
     w_plain = abstract_model_weights(cfg, req.quant, req.dtype)
     breakdown = weight_breakdown(w_plain)
@@ -782,7 +775,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", required=True, choices=tuple(CHIPS))
     p.add_argument("--topology", default="1x1", help="only 1x1 (one chip) for now")
     p.add_argument("--quant", default="none", help="none | w8a8 | w4a16 | qat-w4a16 [+emb4|+emb8]")
-    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8_e5m2", "fp8_e4m3"))
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp8_e5m2", "fp8_e4m3"),
+                   help="KV page dtype; auto = the model's dtype (default)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -803,7 +797,7 @@ def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None) 
         cfg = ModelConfig.preset(args.model)
     return AotRequest(
         cfg=cfg, chip=args.chip, topology=get("topology", "1x1"), quant=get("quant", "none"),
-        kv_dtype=get("kv_dtype", "bf16"), max_model_len=get("max_model_len", 8192),
+        kv_dtype=get("kv_dtype", "auto"), max_model_len=get("max_model_len", 8192),
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 512),
         page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,
         proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"))

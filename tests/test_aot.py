@@ -347,3 +347,12 @@ def test_12b_w8a8_emb4_fits_v5e():
     r = json.loads(out.getvalue())
     assert rc == 0 and r["fits"]
     assert r["kv_tokens"] > 9728
+
+
+def test_kv_dtype_auto_is_the_model_dtype():
+    """`--kv-dtype auto` (the default, as the engine's) sizes bf16 pages for the bf16 weights aot compiles."""
+    assert aot.AotRequest(cfg=tiny_cfg()).kv_dtype == "auto"
+    out = io.StringIO()
+    assert aot.run(args(model="31b", chip="v5e", quant="none", kv_dtype="auto", json=True), out=out) == \
+        aot.EXIT_DOES_NOT_FIT
+    assert json.loads(out.getvalue())["kv_dtype"] == "bf16"

@@ -19,7 +19,7 @@ import numpy as np
 from gemmajax.config import ModelConfig
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
-    pow2_buckets, token_buckets
+    pow2_buckets, step_shapes, token_buckets
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step
 from gemmajax.engine.sampler import fold_keys, request_key_data, sample, sampling_arrays
 from gemmajax.engine.sampling_params import SamplingParams
@@ -181,11 +181,8 @@ class LLMEngine:
                 f"{flat / 1024:.1f} KiB/token with every layer caching the full context")
 
     def step_shapes(self) -> list[tuple[int, int, bool]]:
-        """Every (tokens, sequences, decode_only) shape a step of this engine can take: all-decode steps padded to
-        a sequence bucket, and mixed steps padded to max(token bucket, sequence bucket)."""
-        shapes = [(s, s, True) for s in self.s_buckets]
-        shapes += sorted({(max(t, s), s, False) for s in self.s_buckets for t in self.t_buckets})
-        return shapes
+        """Every (tokens, sequences, decode_only) shape a step of this engine can take (runner.step_shapes)."""
+        return step_shapes(self.s_buckets, self.t_buckets)
 
     def precompile(self, greedy_only: bool = False) -> float:
         """Compile (and run once, on padding) the step of every shape in `step_shapes`, so no request waits for a

@@ -192,6 +192,16 @@ def token_buckets(lo: int, hi: int, dense: bool = False) -> tuple[int, ...]:
     return tuple(sorted(set(pow2_buckets(lo, hi)) | set(mids)))
 
 
+def step_shapes(s_buckets: tuple[int, ...], t_buckets: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """Every (tokens T, sequences S, decode_only) shape an engine with these buckets runs: all-decode steps padded
+    to a sequence bucket (T = S, decode_only), mixed steps to max(token bucket, sequence bucket) (the rule of
+    `LLMEngine._dispatch`; `gemmajax aot` compiles the largest of each). Speculative verification steps add a
+    padded number of logits rows on top (not listed)."""
+    shapes = [(s, s, True) for s in s_buckets]
+    shapes += sorted({(max(t, s), s, False) for s in s_buckets for t in t_buckets})
+    return shapes
+
+
 def build_step_inputs(spec: RunnerSpec, entries: list[tuple], t_pad: int, s_pad: int,
                       r_pad: int | None = None) -> StepInputs:
     """entries: per sequence (token ids to compute, start position, num tokens, page tables per group[, logits
