@@ -53,12 +53,15 @@ class AsyncEngineClient:
         llm = LLM(args.ckpt, quant=args.quant, kv_dtype=args.kv_dtype, dtype=getattr(args, "dtype", "bfloat16"),
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens or 512,
-                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True), kv_cache_memory=kv_mem)
+                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True), kv_cache_memory=kv_mem,
+                  speculative_config=getattr(args, "speculative_config", None))
         if getattr(args, "precompile", False):
             shapes = len(llm.engine.step_shapes())
             logger.info("precompiled %d step shapes in %.0f s", shapes, llm.engine.precompile())
         name = args.served_model_name or _model_name(llm.ckpt)
-        client = cls(llm.engine, model_name=name, chat_template=llm.chat_template(), tokenizer=llm.tokenizer)
+        budget = getattr(args, "default_thinking_token_budget", None)
+        client = cls(llm.engine, model_name=name, chat_template=llm.chat_template(), tokenizer=llm.tokenizer,
+                     sampling_defaults={} if budget is None else {"thinking_token_budget": budget})
         client._llm = llm
         return client
 

@@ -12,6 +12,8 @@ import math
 from typing import Any
 
 MAX_LOGPROBS = 20
+_F32_MAX = 3.4028234663852886e38   # the sampler works in float32: larger values would overflow to inf
+_F32_TINY = 1.1754943508222875e-38
 
 
 @dataclasses.dataclass
@@ -68,13 +70,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_float("temperature", self.temperature, lo=0.0, what=">= 0")
+        _check_float("temperature", self.temperature, lo=0.0, hi=_F32_MAX, what=">= 0 and finite in float32")
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, what="in (0, 1]")
-        _check_int("top_k", self.top_k, lo=-1, what=">= 0 (0 or -1 = off)")
+        _check_int("top_k", self.top_k, lo=-1, hi=2**31 - 1, what="in [-1, 2**31 - 1] (0 or -1 = off)")
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0, what="in [0, 1]")
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
         _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
-        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, what="> 0 (1 = off)")
+        _check_float("repetition_penalty", self.repetition_penalty, lo=_F32_TINY, hi=_F32_MAX,
+                     what="> 0 and a normal float32 (1 = off)")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         _check_int("n", self.n, lo=1)

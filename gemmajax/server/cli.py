@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 QUANT_SCHEMES = ("none", "w8a8", "w4a16", "qat-w4a16")
-KV_DTYPES = ("bf16", "fp8_e5m2", "fp8_e4m3")
+KV_DTYPES = ("auto", "bf16", "fp8_e5m2", "fp8_e4m3")
 AOT_MODELS = ("e2b", "e4b", "12b", "26b-a4b", "31b")
 AOT_CHIPS = ("v5e", "v6e")
 EXIT_NOT_AVAILABLE = 2
@@ -40,12 +40,30 @@ def _positive(value: str) -> int:
     return n
 
 
+def _nonnegative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return n
+
+
+def _json_object(value: str) -> dict:
+    import json
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({e})") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(obj).__name__}: {value!r}")
+    return obj
+
+
 def _model_flags(p: argparse.ArgumentParser, *, ckpt_required: bool = False) -> None:
     p.add_argument("--ckpt", required=ckpt_required, default=None,
                    help="HF checkpoint dir, .gguf file or a `gemmajax quantize` output dir "
                         "(default: the built-in Gemma 3 270M GGUF)")
     p.add_argument("--quant", type=quant_arg, default="none", help="none | w8a8 | w4a16 | qat-w4a16 [+emb4|+emb8]")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV page dtype; auto = the model's dtype")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation dtype")
     p.add_argument("--max-model-len", type=_positive, default=8192)
 
@@ -68,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=_positive, default=16 << 20,
                    help="largest request body accepted (default 16 MiB); a larger one gets HTTP 413 unread")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--default-thinking-token-budget", type=_nonnegative, default=None,
+                   help="thinking tokens allowed when a request sets no thinking_token_budget (then the end of "
+                        "thought is forced); without it a constrained answer still gets half of max_tokens")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--precompile", action="store_true",
                    help="compile every step shape before serving, so no request waits for a compile (minutes on a "
                         "CPU; the persistent compilation cache makes restarts fast)")
@@ -100,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chip", required=True, choices=AOT_CHIPS)
     p.add_argument("--topology", default="1x1")
     p.add_argument("--quant", type=quant_arg, default="none")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--max-model-len", type=_positive, default=8192)
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="prefill chunk of one step")

@@ -157,6 +157,7 @@ class _SamplingFields(_Request):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
+    thinking_token_budget: int | None = Field(default=None, ge=0)   # vLLM's: the end of thought is forced after it
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -270,11 +271,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ResponseFunctionCall(BaseModel):

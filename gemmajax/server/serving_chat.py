@@ -25,6 +25,7 @@ from gemmajax.server.protocol import (
     now,
     random_id,
 )
+from gemmajax.engine.chat import chat_finish_reason, chat_grammar, chat_params
 from gemmajax.server.serving_completion import DONE, Choice, ServingBase, import_optional, sse, sse_error
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,12 @@ class ChatServing(ServingBase):
         max_tokens = room if req.requested_max_tokens is None else min(req.requested_max_tokens, room)
         grammar, grammar_param = self._grammar(req, thinking)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        gemma4 = getattr(getattr(self.engine, "tokenizer", None), "family", "gemma4") == "gemma4"
 
         def params_for(seed: int | None) -> Any:
-            return self.sampling_params(req, max_tokens=max_tokens, seed=seed, logprobs=num_logprobs,
-                                        skip_special_tokens=not parse, grammar=grammar)
+            p = self.sampling_params(req, max_tokens=max_tokens, seed=seed, logprobs=num_logprobs,
+                                     skip_special_tokens=not parse, grammar=None)
+            return chat_params(p, gemma4=gemma4, parse=parse, thinking=thinking, grammar=grammar)
 
         rid = random_id("chatcmpl")
         choices = self.make_choices(rid, [prompt_ids], params_for, req.n, req.seed)
@@ -130,10 +133,10 @@ class ChatServing(ServingBase):
         return False
 
     def _grammar(self, req: ChatCompletionRequest, thinking: bool) -> tuple[str | None, str | None]:
-        """The llguidance grammar for forced tool calls or response_format, and the field it came from."""
-        tc = req.tool_choice
-        forced = tc == "required" or isinstance(tc, NamedToolChoice)
+        """The llguidance grammar for forced tool calls or response_format, and the field it came from
+        (engine/chat.py's rule, shared with LLM.chat)."""
         fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
         if not forced and fmt is None:
             return None, None
         if forced and fmt is not None:
@@ -142,22 +145,13 @@ class ChatServing(ServingBase):
                            param="response_format")
         constrained = import_optional("gemmajax.tools.constrained", "structured output (llguidance)")
         try:
-            if forced:
-                param = "tools"
-                tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-                parallel = req.parallel_tool_calls is not False   # false: exactly one call, then <|tool_response>
-                if isinstance(tc, NamedToolChoice):
-                    grammar = constrained.tool_call_grammar(tools, "named", tc.function.name, parallel=parallel)
-                else:
-                    grammar = constrained.tool_call_grammar(tools, "required", None, parallel=parallel)
-            else:
-                param = "response_format"
-                if fmt.type == "json_object":
-                    grammar = constrained.json_object_grammar()
-                else:
-                    grammar = constrained.json_schema_grammar(fmt.json_schema.schema_)
-            return (constrained.thinking_then(grammar) if thinking else grammar), param
+            return chat_grammar(
+                json_schema=fmt.json_schema.schema_ if fmt is not None and fmt.type == "json_schema" else None,
+                json_object=fmt is not None and fmt.type == "json_object",
+                tools=[t.model_dump(exclude_none=True) for t in req.tools or []], tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking)
         except constrained.GrammarError as e:
+            param = "response_format" if fmt is not None else "tools"
             raise APIError(400, f"cannot build a grammar from {param}: {e}", param=param) from e
 
     # ------------------------------------------------------------------------------------------ output
@@ -175,10 +169,7 @@ class ChatServing(ServingBase):
 
     @staticmethod
     def _finish_reason(out: Any, has_tool_calls: bool) -> str | None:
-        # A call cut off by max_tokens is reported as "length" (the arguments may be incomplete), not "tool_calls".
-        if has_tool_calls and out.finish_reason not in ("abort", "length"):
-            return "tool_calls"
-        return out.finish_reason
+        return chat_finish_reason(out.finish_reason, has_tool_calls)
 
     async def _full(self, req: ChatCompletionRequest, rid: str, model: str, choices: list[Choice], parse: bool,
                     parser_kw: dict[str, bool]) -> ChatCompletionResponse:

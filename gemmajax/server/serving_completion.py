@@ -25,6 +25,7 @@ from gemmajax.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     PromptTokensDetails,
     UsageInfo,
     now,
@@ -65,6 +66,7 @@ class Choice:
     prompt_ids: list[int]
     params: Any
     count_prompt: bool = True  # count the prompt's tokens in metrics/usage once per prompt, not once per choice
+    after: str | None = None   # the request id of the prompt's first choice, whose prompt pages this one reuses
     grammar_param: str | None = None  # the request field a grammar came from, to name it when it fails
     prompt_param: str | None = None  # the request field the prompt came from, to name it when the engine refuses it
     last: Any = None  # the latest RequestOutput
@@ -154,20 +156,22 @@ class ServingBase:
                        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                        repetition_penalty=req.repetition_penalty, logprobs=logprobs,
-                       skip_special_tokens=skip_special_tokens, grammar=grammar)
+                       skip_special_tokens=skip_special_tokens, grammar=grammar,
+                       thinking_token_budget=pick("thinking_token_budget", None))
         except ValueError as e:  # SamplingParams' own validation names the field
             raise APIError(400, f"invalid sampling parameters: {e}") from e
 
     def make_choices(self, base_id: str, prompts: list[list[int]], params_for: Callable[[int | None], Any],
                      n: int, seed: int | None) -> list[Choice]:
-        """n choices per prompt, index = prompt_i * n + j; seeds seed + j so the choices differ."""
+        """n choices per prompt, index = prompt_i * n + j; seeds seed + j so the choices differ. Choices j > 0
+        start from choice 0's cached prompt pages (`after`), so the prompt is computed once."""
         choices = []
         for p, ids in enumerate(prompts):
             for j in range(n):
                 index = p * n + j
                 rid = base_id if len(prompts) * n == 1 else f"{base_id}-{index}"
                 choices.append(Choice(index, rid, ids, params_for(None if seed is None else seed + j),
-                                      count_prompt=(j == 0)))
+                                      count_prompt=(j == 0), after=choices[-j].request_id if j else None))
         return choices
 
     # ------------------------------------------------------------------------------------------ running
@@ -178,7 +182,7 @@ class ServingBase:
         a finish_reason "error" with no tokens) becomes a 400; an error after tokens were produced stays a 500.
         """
         timer = GenerationTimer(self.metrics)
-        stream = self.engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+        stream = self.engine.generate(choice.request_id, choice.prompt_ids, choice.params, after=choice.after)
         finished = False
         try:
             async for out in stream:
@@ -249,8 +253,10 @@ class ServingBase:
         prompt = sum(len(c.prompt_ids) for c in choices if c.count_prompt)
         completion = sum(len(c.last.token_ids) for c in choices if c.last is not None)
         cached = sum(getattr(c.last, "num_cached_tokens", 0) or 0 for c in choices if c.count_prompt and c.last)
+        reasoning = sum(getattr(c.last, "num_reasoning_tokens", 0) or 0 for c in choices if c.last is not None)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning))
 
 
 class CompletionServing(ServingBase):

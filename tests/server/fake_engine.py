@@ -103,7 +103,7 @@ class FakeEngineClient:
         text += ("<|turn>model\n" if add_generation_prompt else "") + template_kwargs.get("fake_suffix", "")
         return self.tokenizer.encode(text)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, after: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         self.calls.append((request_id, list(prompt_token_ids), params))
         prompt_text = self.tokenizer.decode(prompt_token_ids)

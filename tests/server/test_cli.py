@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_serve_flags_and_defaults() -> None:
     args = cli.build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.quant, args.kv_dtype, args.dtype) == ("127.0.0.1", 8000, "none", "bf16",
+    assert (args.host, args.port, args.quant, args.kv_dtype, args.dtype) == ("127.0.0.1", 8000, "none", "auto",
                                                                               "bfloat16")
+    assert args.default_thinking_token_budget is None and args.speculative_config is None
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (8192, 64, None)
     assert args.enable_prefix_caching is True and args.ckpt is None and args.served_model_name is None
     assert args.precompile is False and args.max_request_bytes == 16 << 20 and args.max_queue == 256
@@ -33,8 +34,11 @@ def test_serve_flags_and_defaults() -> None:
         ["serve", "--ckpt", "m.gguf", "--quant", "w8a8+emb8", "--kv-dtype", "fp8_e5m2", "--port", "9000",
          "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--served-model-name", "g", "--api-key", "k", "--max-queue", "3", "--no-enable-prefix-caching",
-         "--precompile", "--max-request-bytes", "1000"])
+         "--precompile", "--max-request-bytes", "1000", "--default-thinking-token-budget", "0",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert args.precompile is True and args.max_request_bytes == 1000
+    assert args.default_thinking_token_budget == 0
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert (args.ckpt, args.quant, args.kv_dtype, args.port, args.max_model_len, args.max_num_seqs) == (
         "m.gguf", "w8a8+emb8", "fp8_e5m2", 9000, 4096, 8)
     assert (args.max_num_batched_tokens, args.served_model_name, args.api_key, args.max_queue) == (512, "g", "k", 3)
@@ -42,7 +46,9 @@ def test_serve_flags_and_defaults() -> None:
 
 
 @pytest.mark.parametrize("argv", [["serve", "--quant", "int3"], ["serve", "--quant", "w8a8+emb3"],
-                                  ["serve", "--kv-dtype", "fp16"], ["aot", "--model", "7b", "--chip", "v5e"],
+                                  ["serve", "--kv-dtype", "fp16"], ["serve", "--speculative-config", "[1]"],
+                                  ["serve", "--speculative-config", "{bad"],
+                                  ["serve", "--default-thinking-token-budget", "-1"], ["aot", "--model", "7b", "--chip", "v5e"],
                                   ["aot", "--model", "e2b", "--chip", "v4"], ["quantize", "--ckpt", "x"],
                                   ["generate"], ["serve", "--max-num-seqs", "0"],
                                   ["serve", "--max-request-bytes", "0"], ["serve", "--max-queue", "-1"]])
@@ -70,7 +76,7 @@ def test_subcommands_delegate(argv: list[str], module: str, monkeypatch: pytest.
         assert (args.ckpt, args.quant, args.out) == ("in", "w4a16", "o")
     else:
         assert (args.model, args.chip, args.topology, args.quant, args.kv_dtype) == ("26b-a4b", "v6e", "2x2", "w8a8",
-                                                                                      "bf16")
+                                                                                      "auto")
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
     assert cli.main(argv) == cli.EXIT_NOT_AVAILABLE
     assert "not available yet" in capsys.readouterr().err

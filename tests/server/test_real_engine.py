@@ -18,6 +18,8 @@ import time
 
 import httpx
 import openai
+
+import gemmajax
 import pytest
 
 from gemmajax.engine.async_engine import AsyncEngineClient
@@ -169,13 +171,13 @@ def test_models_chat_stream_and_completions(oai, offline):
     assert c.choices[0].text == cref.text
 
 
-def _free_thought_only(r):
-    """With thinking on, a random model never closes its (unconstrained) thought channel: all it may produce
-    is reasoning, never content or a malformed call outside the grammar."""
+def _closed_thought(r, budget):
+    """With thinking on, a random model never closes its thought channel by itself: the server closes it at the
+    thinking budget (half of max_tokens when the request gives none), so the constrained answer gets its room and
+    usage reports the thought's tokens."""
     ch = r.choices[0]
-    assert ch.finish_reason == "length", ch
-    assert not ch.message.content and not ch.message.tool_calls, ch
     assert ch.message.model_extra.get("reasoning_content"), ch
+    assert r.usage.completion_tokens_details.reasoning_tokens == budget, r.usage
 
 
 def test_tool_choice_required_gives_a_valid_call_even_from_noise(oai):
@@ -191,9 +193,13 @@ def test_tool_choice_required_gives_a_valid_call_even_from_noise(oai):
         _valid(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
     r = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
-        tool_choice="required", max_tokens=24, temperature=0.8, seed=1,
+        tool_choice="required", max_tokens=200, temperature=0.8, seed=1,
         extra_body={"chat_template_kwargs": {"enable_thinking": True}})
-    _free_thought_only(r)
+    _closed_thought(r, 100)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
+    for call in ch.message.tool_calls:
+        _valid(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
 def test_json_schema_enforced_with_thinking_off_and_on(oai):
@@ -205,10 +211,20 @@ def test_json_schema_enforced_with_thinking_off_and_on(oai):
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "stop", msg
         _valid(json.loads(msg.content), SCHEMA)
+    for budget, max_tokens in ((None, 300), (5, 200)):
+        r = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=max_tokens,
+            temperature=0.7, seed=2, response_format=fmt,
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": budget})
+        _closed_thought(r, max_tokens // 2 if budget is None else budget)
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        _valid(json.loads(r.choices[0].message.content), SCHEMA)
+    # an answer cut by max_tokens is reported as such, never as complete
     r = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=24,
+        model=MODEL, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=16,
         temperature=0.7, seed=2, response_format=fmt, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
-    _free_thought_only(r)
+    _closed_thought(r, 8)
+    assert r.choices[0].finish_reason == "length"
 
 
 def test_bad_requests_do_not_hurt_the_server(server, oai):
@@ -545,3 +561,28 @@ def test_hostile_but_valid_requests_hurt_no_one(server, offline):
         assert side.result() == ref.text
     assert not failures, failures
     assert_engine_idle_and_kv_free(url, llm)
+
+
+def test_n_choices_share_the_prompt_and_stream_by_index(server, oai, offline):
+    """n = 3: choices 1 and 2 start from choice 0's cached prompt pages; seeded choice j is the request with
+    seed + j alone; the stream carries each choice under its own index."""
+    _, llm, _ = server
+    messages = [{"role": "user", "content": "Tell me about the sea " * 6}]
+    prompt = offline.render_chat(messages)
+    before = llm.engine.scheduler.num_prefix_cache_hit_tokens
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0,
+                                    seed=40, n=3, extra_body={"top_k": 20})
+    page = ENGINE.get("page_size", 32)
+    assert llm.engine.scheduler.num_prefix_cache_hit_tokens - before >= 2 * ((len(prompt) - 1) // page * page)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        ref = offline.generate([prompt], gemmajax.SamplingParams(max_tokens=6, temperature=1.0, top_k=20,
+                                                                 seed=40 + c.index))[0]
+        assert c.message.content == ref.text, c.index
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0,
+                                              seed=40, n=3, stream=True, extra_body={"top_k": 20}))
+    streamed = {}
+    for ch in chunks:
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in r.choices}
