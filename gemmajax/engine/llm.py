@@ -53,7 +53,10 @@ class LLM:
     def __init__(self, ckpt: str | None = None, quant: str = "none", kv_dtype: str = "auto", dtype: str = "bfloat16",
                  max_model_len: int = 8192, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  page_size: int = 32, kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-                 attn_impl: str = "auto", seed: int = 0, tokenizer=None, speculative_config: dict | None = None):
+                 attn_impl: str = "auto", seed: int = 0, tokenizer=None, speculative_config: dict | None = None,
+                 token_buckets: tuple[int, ...] | None = None, seq_buckets: tuple[int, ...] | None = None):
+        """token_buckets / seq_buckets: the step shapes compiled for (EngineConfig's; default: the engine's
+        ladders). Fewer buckets, fewer compiles: tests pin them."""
         from gemmajax.model.loader import load_model
         from gemmajax.tools.tokenizer import load_tokenizer
         _enable_compilation_cache()
@@ -70,7 +73,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, seed=seed,
-            speculative=SpecConfig.parse(speculative_config)))
+            speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets))
         self._ids = itertools.count()
         self._template = None
 
