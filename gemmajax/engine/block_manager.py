@@ -245,9 +245,13 @@ class BlockManager:
         """Chained hashes of the first `num_pages` full pages of `seq` (memoised on the sequence)."""
         memo = seq.page_hashes.setdefault(page_size, [])
         tokens = seq.token_ids
+        over = seq.hash_overrides
         while len(memo) < num_pages:
             i = len(memo)
-            chunk = array.array("q", tokens[i * page_size: (i + 1) * page_size]).tobytes()
+            ids = tokens[i * page_size: (i + 1) * page_size]
+            if over:   # media placeholders hash as their content
+                ids = [over.get(i * page_size + j, t) for j, t in enumerate(ids)]
+            chunk = array.array("q", ids).tobytes()
             memo.append(hashlib.blake2b((memo[-1] if memo else b"") + chunk, digest_size=16).digest())
         return memo
 

@@ -65,6 +65,7 @@ class LLM:
             ckpt = default_model_path()
         self.model = load_model(ckpt, dtype=dtype, quant=quant)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt)
+        self.mm_config, mm_weights = _load_towers(ckpt, dtype, self.model.quant)
         self.ckpt = ckpt
         cfg = self.model.config
         if kv_cache_memory is None:
@@ -73,7 +74,8 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, seed=seed,
-            speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets))
+            speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets),
+            multimodal=None if self.mm_config is None else (self.mm_config, mm_weights))
         self._ids = itertools.count()
         self._template = None
 
@@ -119,17 +121,20 @@ class LLM:
             return self.tokenizer.encode(prompt, add_bos=True)
         return [int(t) for t in prompt]
 
-    def _run(self, ids: list[list[int]], plist: list[SamplingParams]) -> list[list[RequestOutput]]:
+    def _run(self, ids: list[list[int]], plist: list[SamplingParams], media: list | None = None
+             ) -> list[list[RequestOutput]]:
         """Run every prompt's n completions; per prompt, its n final outputs in choice order. Choice j > 0 of a
-        prompt waits for choice 0's prompt pages (prefix cache) and, when seeded, uses seed + j (as the server)."""
+        prompt waits for choice 0's prompt pages (prefix cache) and, when seeded, uses seed + j (as the server).
+        media: per prompt, its processed images / audio (or None)."""
         groups = []
-        for toks, p in zip(ids, plist):
+        for k, (toks, p) in enumerate(zip(ids, plist)):
             base = f"llm-{next(self._ids)}"
             rids = []
             for j in range(p.n):
                 one = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 rid = base if p.n == 1 else f"{base}.{j}"
-                self.engine.add_request(rid, toks, one, after=rids[0] if rids else None)
+                self.engine.add_request(rid, toks, one, after=rids[0] if rids else None,
+                                        media=media[k] if media else None)
                 rids.append(rid)
             groups.append(rids)
         final: dict[str, RequestOutput] = {}
@@ -155,9 +160,21 @@ class LLM:
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = False,
                     add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Prompt ids of a text conversation (media parts: see `chat_prompt`)."""
+        return self.chat_prompt(messages, tools, enable_thinking, add_generation_prompt, **kwargs)[0]
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = False,
+                    add_generation_prompt: bool = True, **kwargs) -> tuple[list[int], list]:
+        """(prompt ids, processed media in prompt order) of a conversation: image_url / input_audio parts are
+        decoded and processed (engine/chat.py prepare_media), rendered as placeholders and expanded to their soft
+        tokens, as HF's processor does."""
+        from gemmajax.engine.chat import expand_media_prompt, prepare_media
+        messages, items = prepare_media(messages, self.mm_config)
         text = self.chat_template().render(messages, tools=tools, enable_thinking=enable_thinking,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.tokenizer.encode(text, add_bos=False)
+        if items:
+            text = expand_media_prompt(text, items)
+        return self.tokenizer.encode(text, add_bos=False), items
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, tools=None,
              enable_thinking: bool = False, tool_choice: Any = "auto", parallel_tool_calls: bool = True
@@ -175,9 +192,12 @@ class LLM:
         plist = self._params_list(params, len(convs), "conversations")
         gemma4 = getattr(self.tokenizer, "family", "gemma4") == "gemma4"
         tools_active = bool(tools) and tool_choice != "none"
-        ids, adj = [], []
+        ids, adj, media = [], [], []
         for conv, p in zip(convs, plist):
-            ids.append(self.render_chat(conv, tools=tools if tools_active else None, enable_thinking=enable_thinking))
+            prompt, items = self.chat_prompt(conv, tools=tools if tools_active else None,
+                                             enable_thinking=enable_thinking)
+            ids.append(prompt)
+            media.append(items)
             grammar = p.grammar
             if grammar is None:
                 grammar, _ = chat_grammar(json_schema=p.json_schema, tools=tools, tool_choice=tool_choice,
@@ -185,7 +205,7 @@ class LLM:
             adj.append(chat_params(p, gemma4=gemma4, parse=tools_active or enable_thinking,
                                    thinking=enable_thinking, grammar=grammar))
         results = []
-        for prompt, group in zip(ids, self._run(ids, adj)):
+        for prompt, group in zip(ids, self._run(ids, adj, media)):
             tracker = ThoughtTracker.for_request(self.tokenizer, prompt, None)
             in_reasoning = enable_thinking and tracker is not None and tracker.in_thought
             outs = []
@@ -204,6 +224,22 @@ class LLM:
             outs[0].outputs = outs
             results.append(outs[0])
         return results
+
+
+def _load_towers(ckpt, dtype: str, quant: str):
+    """The checkpoint's vision / audio towers (model/multimodal.py): (MultimodalConfig, MultimodalWeights), or
+    (None, None) for a text-only checkpoint, a GGUF or a converted directory (which hold none)."""
+    import json
+    import os
+    path = os.path.join(os.fspath(ckpt), "config.json")
+    if not os.path.isfile(path) or os.path.exists(os.path.join(os.fspath(ckpt), "gemmajax.json")):
+        return None, None
+    from gemmajax.model.multimodal import MultimodalConfig, load_multimodal
+    with open(path) as f:
+        if not MultimodalConfig.from_hf(json.load(f)).param_shapes():
+            return None, None
+    scheme = (quant or "none").split("+")[0]
+    return load_multimodal(ckpt, dtype=dtype, quant=scheme)
 
 
 def _default_kv_memory() -> int:

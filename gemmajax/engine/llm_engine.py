@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from gemmajax.config import ModelConfig
+from gemmajax.engine import media_inputs
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
     pow2_buckets, step_shapes, token_buckets
@@ -25,6 +26,7 @@ from gemmajax.engine.sampler import fold_keys, request_key_data, sample, samplin
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
 from gemmajax.engine.sequence import Sequence, SequenceStatus
+from gemmajax.engine.media_inputs import MediaState
 from gemmajax.engine.spec_decode import SpecConfig, accepted_tokens, ngram_propose
 from gemmajax.engine.thinking import ThoughtTracker
 from gemmajax.kv.layout import resolve_auto
@@ -109,6 +111,7 @@ class _ReqState:
     logprobs: list = field(default_factory=list)
     thought: ThoughtTracker | None = None
     spec_masks: list = field(default_factory=list)   # grammar masks of the drafts being verified
+    media: MediaState | None = None                   # images / audio of the prompt
 
     def forced_token(self) -> int | None:
         """The token the next sample must be, if any: `<channel|>` once the thought is at its budget (unless the
@@ -122,8 +125,11 @@ class _ReqState:
 
 
 class LLMEngine:
-    def __init__(self, cfg: ModelConfig, weights: gemma.Weights, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, weights: gemma.Weights, tokenizer, config: EngineConfig = EngineConfig(),
+                 multimodal: tuple | None = None):
+        """multimodal: (MultimodalConfig, MultimodalWeights) of the checkpoint's vision / audio towers, or None."""
         self.model_config = cfg
+        self.mm_config, self.mm_weights = multimodal if multimodal is not None else (None, None)
         config = dataclasses.replace(config, kv_dtype=resolve_auto(config.kv_dtype, gemma.compute_dtype(weights)))
         self.config = config
         self.tokenizer = tokenizer
@@ -136,7 +142,8 @@ class LLMEngine:
                                kv_cache_memory=config.kv_cache_memory)
         self.spec = RunnerSpec(cfg, groups, config.page_size, num_pages, math.ceil(max_len / config.page_size),
                                config.kv_dtype, attn_impl=config.attn_impl,
-                               bits=jax.default_backend() == "cpu" and config.attn_impl in ("auto", "ref"))
+                               bits=jax.default_backend() == "cpu" and config.attn_impl in ("auto", "ref"),
+                               block_mode="all" if self.mm_config is not None and self.mm_config.unified else "sliding")
         windows = {}
         for s in cfg.layers:
             if s.window is not None:
@@ -204,12 +211,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    after: str | None = None) -> None:
+                    after: str | None = None, media: list | None = None) -> None:
         """Queue one generation (params.n must be 1: callers run n requests, see LLM.generate).
 
         after: the id of a request with the same prompt (a sibling choice of an n > 1 request). With prefix
         caching on, this one waits until that request's prompt is computed and then starts from its cached pages,
-        so n choices compute the prompt once."""
+        so n choices compute the prompt once.
+        media: processed images / audio clips (gemmajax.tools.media) in prompt order, whose soft-token
+        placeholders the prompt holds (expanded: `<|image>` + `<|image|>` x N + `<image|>`)."""
         from gemmajax.tools.detokenizer import IncrementalDetokenizer
         if params.n != 1:
             raise ValueError(f"request {request_id!r}: LLMEngine.add_request takes SamplingParams.n == 1, got "
@@ -224,6 +233,14 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: prompt token ids must be in [0, {V}), got {bad[:5]}")
         seq = Sequence(request_id, list(map(int, prompt_token_ids)), params)
         seq.sample_seed = int(self._unseeded.integers(2**63)) if params.seed is None else int(params.seed)
+        ms = None
+        if media:
+            if self.mm_config is None or self.mm_weights is None:
+                raise ValueError(f"request {request_id!r}: {len(media)} image / audio input(s), but this checkpoint "
+                                 f"has no vision or audio tower")
+            ms = media_inputs.media_state(seq.token_ids, media, self.mm_config)
+            seq.hash_overrides = media_inputs.hash_overrides(ms)
+            seq.atomic_spans = media_inputs.atomic_spans(ms)
         constraint = None
         grammar = params.grammar
         if grammar is None and params.json_schema is not None:
@@ -236,7 +253,8 @@ class LLMEngine:
             constraint = GrammarConstraint(self._ll_tok, grammar)
         st = _ReqState(seq, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
                        constraint=constraint,
-                       thought=ThoughtTracker.for_request(self.tokenizer, seq.token_ids, params.thinking_token_budget))
+                       thought=ThoughtTracker.for_request(self.tokenizer, seq.token_ids, params.thinking_token_budget),
+                       media=ms)
         parent = self._reqs.get(after) if after is not None else None
         if (parent is not None and self.config.enable_prefix_caching and not parent.seq.is_finished
                 and parent.seq.prompt_token_ids == seq.prompt_token_ids):
@@ -322,13 +340,20 @@ class LLMEngine:
 
         prev: the step still running whose sampled tokens are this step's input tokens (a lookahead step: one
         decode token per sequence, each sequence in prev's batch)."""
-        entries, drafts, masks = [], [], []
+        entries, drafts, masks, media = [], [], [], []
         for e in scheduled:
             seq, n = e
             c = seq.num_computed_tokens
             if prev is None:   # a verifying decode computes its last token and its drafts
                 d = seq.spec_tokens[:e.num_spec]
-                entries.append(((seq.token_ids + d)[c:c + n], c, n, [list(pt) for pt in seq.page_tables], 1 + len(d)))
+                ids = (seq.token_ids + d)[c:c + n]
+                st = self._reqs.get(seq.request_id)
+                ms = st.media if st is not None and media_inputs.covers(st.media, c) else None
+                if ms is not None:   # the model sees the pad id at placeholders (HF), the soft token replaces it
+                    ids = [self.mm_config.pad_token_id if c + j in seq.hash_overrides else t for j, t in
+                           enumerate(ids)]
+                media.append((ms, c, n))
+                entries.append((ids, c, n, [list(pt) for pt in seq.page_tables], 1 + len(d)))
                 st = self._reqs.get(seq.request_id)
                 masks.append(st.spec_masks[:1 + len(d)] if d and st is not None and st.constraint is not None
                              else None)
@@ -343,6 +368,8 @@ class LLMEngine:
         t_pad = s_pad if T == S else max(bucket(T, self.t_buckets), s_pad)
         r_pad = s_pad if R == S else max(bucket(R, self.t_buckets), s_pad)
         inp = build_step_inputs(self.spec, entries, t_pad, s_pad, r_pad)
+        if any(ms is not None for ms, _, _ in media):
+            inp = self._with_soft_tokens(inp, media, t_pad)
         if prev is not None:
             row = {s.seq.seq_id: i for i, s in enumerate(prev.scheduled)}
             src = np.zeros(t_pad, np.int32)
@@ -359,6 +386,18 @@ class LLMEngine:
         else:
             result = self.runner.forward(inp)
         return _Pending(list(scheduled), samples, s_pad, greedy, result, drafts if R > S else [], masks)
+
+    def _with_soft_tokens(self, inp, media: list, t_pad: int):
+        """The step's image / audio rows (media_inputs.step_inputs), encoding the media of requests seen for the
+        first time (all of this step's together)."""
+        media_inputs.encode([ms for ms, _, _ in media if ms is not None], self.mm_weights, self.mm_config,
+                            gemma.compute_dtype(self.runner.weights))
+        arrays = media_inputs.step_inputs(media, t_pad, self.model_config.hidden_size,
+                                          gemma.compute_dtype(self.runner.weights), self.mm_config.bidirectional_vision)
+        if arrays is None:
+            return inp
+        mask, rows, lo, hi = arrays
+        return dataclasses.replace(inp, soft_mask=mask, soft_rows=rows, block_lo=lo, block_hi=hi)
 
     def _complete(self, p: _Pending) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens, then update the scheduler and emit the outputs."""

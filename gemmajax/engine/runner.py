@@ -14,6 +14,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class StepInputs:
     logits_indices: Any   # int32 [R]: rows that get logits (R = S: each sequence's last token; more when verifying)
     metas: tuple          # per KV group: RaggedMeta over the T tokens
     shared_metas: tuple   # per KV group: RaggedMeta over the R logits rows (KV-shared layers compute only those)
+    # Image / audio soft tokens (None in text-only steps: another compiled variant only when media are in the step)
+    soft_mask: Any = None     # bool [T]: the token's embedding is a soft token (its id is the pad id)
+    soft_rows: Any = None     # [T, D] model dtype: the soft token of each such row (zeros elsewhere)
+    block_lo: Any = None      # int32 [T]: first / last position of the token's image block (lo > hi: none); the
+    block_hi: Any = None      # keys it also sees on bidirectional models (RunnerSpec.block_mode says which layers)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class RunnerSpec:
     v_scale: float = 1.0
     attn_impl: str = "auto"
     bits: bool = False                # bit-stored pages (XLA:CPU writes bf16/fp8 pools in place only this way)
+    # Which layers see a token's whole image block: "sliding" (Gemma 4's generate: sliding layers, the window
+    # still applies) or "all" (the 12B's: every layer, past the window). Only steps with image blocks use it.
+    block_mode: str = "sliding"
 
     def group_of(self, layer_index: int) -> int:
         return self.groups.index(self.cfg.layers[layer_index].kind)
@@ -139,9 +148,12 @@ def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepI
     cfg = spec.cfg
     impl = spec.attn_impl
 
-    def make_attend(metas):
+    def make_attend(metas, blocks=None):
         def attend(lspec, q, k, v, pages):
             meta = metas[spec.groups.index(lspec.kind)]
+            if blocks is not None and (spec.block_mode == "all" or lspec.window is not None):   # image blocks
+                meta = dataclasses.replace(meta, block_lo=blocks[0], block_hi=blocks[1],
+                                           block_in_window=spec.block_mode != "all")
             out, pages = ragged_paged_attention(
                 q[0], None if k is None else k[0], None if v is None else v[0], pages, meta,
                 sm_scale=cfg.attn_scale, sliding_window=lspec.window, soft_cap=cfg.attn_logit_softcap,
@@ -155,8 +167,10 @@ def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepI
         return x[:, idx], positions[:, idx], ple, make_attend(inp.shared_metas)
 
     has_shared = cfg.first_shared_layer < cfg.num_layers
-    h, kv = gemma.decoder(weights, cfg, inp.token_ids[None], inp.positions[None], make_attend(inp.metas), kv,
-                          shared_band=shared_band if has_shared else None)
+    soft = None if inp.soft_mask is None else (inp.soft_mask[None], inp.soft_rows[None])
+    h, kv = gemma.decoder(weights, cfg, inp.token_ids[None], inp.positions[None],
+                          make_attend(inp.metas, None if inp.block_lo is None else (inp.block_lo, inp.block_hi)), kv,
+                          shared_band=shared_band if has_shared else None, soft_tokens=soft)
     h = h[0] if has_shared else h[0, inp.logits_indices]      # [S, D]
     return h, kv
 

@@ -108,6 +108,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _fit_spans(seq: Sequence, n: int) -> int:
+    """The most tokens (<= n) a chunk from seq.num_computed_tokens may take without ending inside an atomic span
+    (an image block computed in one step); 0 when the span it starts in does not fit in n."""
+    c = seq.num_computed_tokens
+    for a, b in seq.atomic_spans:
+        if a < c + n < b:
+            n = a - c if a > c else 0
+    return n
+
+
 class Scheduler:
     """Queues of waiting and running sequences over one BlockManager."""
 
@@ -166,6 +176,11 @@ class Scheduler:
             return (f"request {seq.request_id!r}: the prompt has {prompt_len} tokens, more than one step's "
                     f"budget ({cfg.max_chunk}) with chunked prefill off; enable chunked prefill or raise "
                     f"max_num_batched_tokens")
+        for a, b in seq.atomic_spans:
+            if b - a > cfg.max_chunk:
+                return (f"request {seq.request_id!r}: an image block of {b - a} tokens must be computed in one "
+                        f"step, more than its budget ({cfg.max_chunk}); raise max_num_batched_tokens or use "
+                        f"images with fewer soft tokens")
         # Tokens whose K/V get written at most: all but the last of the longest possible sequence.
         total = min(prompt_len + seq.params.max_tokens, cfg.max_model_len)
         kv_tokens = max(prompt_len, total - 1)
@@ -236,7 +251,10 @@ class Scheduler:
                 if seq.seq_id in in_step or (remaining == 1) != decodes:
                     i += 1
                     continue
-                n = min(remaining, budget, cfg.max_chunk)
+                n = _fit_spans(seq, min(remaining, budget, cfg.max_chunk))
+                if n == 0:
+                    i += 1
+                    continue
                 if decodes and seq.spec_tokens:   # verify the drafts too, as far as the budget allows
                     del seq.spec_tokens[max(0, min(budget, cfg.max_chunk) - 1):]
                     n = 1 + len(seq.spec_tokens)
@@ -268,8 +286,8 @@ class Scheduler:
             bm.match_prefix(seq)
             remaining = seq.num_new_tokens_to_compute
             chunkable = cfg.enable_chunked_prefill or seq.num_preemptions > 0
-            n = min(remaining, budget, cfg.max_chunk)
-            if (n < remaining and not chunkable) or not bm.allocate(seq, n):
+            n = _fit_spans(seq, min(remaining, budget, cfg.max_chunk))
+            if n == 0 or (n < remaining and not chunkable) or not bm.allocate(seq, n):
                 bm.free(seq)  # undo the prefix match; retry next step
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break

@@ -84,6 +84,11 @@ class Sequence:
         # Speculative decoding: tokens drafted after token_ids, verified by the next step (never in token_ids
         # until accepted, so preemption, prefix hashes and stop checks only ever see real tokens).
         self.spec_tokens: list[int] = []
+        # Image / audio soft tokens: the prefix cache hashes these values in place of the placeholder ids (so a
+        # page holding an image is found only for the same image), and spans [start, end) of positions computed
+        # in one step (an image block whose tokens attend to each other).
+        self.hash_overrides: dict[int, int] = {}
+        self.atomic_spans: list[tuple[int, int]] = []
 
     # -- token views -------------------------------------------------------------------------------------
     @property

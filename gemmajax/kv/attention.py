@@ -54,6 +54,13 @@ class RaggedMeta:
     # Static: token i is the one query of sequence i (T_pad == S_max, q_len 1 for every real sequence). The
     # reference then skips finding each token's sequence and the prefill machinery; the kernel ignores it.
     decode_only: bool = dataclasses.field(default=False, metadata={"static": True})
+    # Bidirectional image blocks (Gemma 4 26B / 31B / 12B): optional int32 [T_pad] first / last key position of the
+    # query token's block (lo > hi: not in a block). A query also sees every key in [lo, hi] (its block is computed
+    # in this step); block_in_window: the sliding window still cuts those keys (Gemma 4's rule) or not (the 12B's).
+    # Reference only (the kernel is causal).
+    block_lo: jax.Array | None = None
+    block_hi: jax.Array | None = None
+    block_in_window: bool = dataclasses.field(default=True, metadata={"static": True})
 
 
 def make_ragged_meta(
@@ -307,6 +314,13 @@ def _ref_prefill_chunks(
         pos = meta.kv_lens[s] - q_len[s] + (t0 - cu[s]) + jnp.arange(bq)  # [Q]
         p_first, p_last = pos[0], pos[0] + n_rows - 1
         win_lo = jnp.maximum(p_first - sliding_window + 1, 0) if sliding_window is not None else 0
+        blocks = meta.block_lo is not None
+        if blocks:   # the rows' image blocks, [Q] each (lo > hi: none); the loop covers them too
+            b_lo = lax.dynamic_slice_in_dim(jnp.pad(meta.block_lo, (0, bq), constant_values=1 << 30), t0, bq)
+            b_hi = lax.dynamic_slice_in_dim(jnp.pad(meta.block_hi, (0, bq), constant_values=-1), t0, bq)
+            in_blk = row_ok & (b_lo <= b_hi)
+            p_last = jnp.maximum(p_last, jnp.max(jnp.where(in_blk, b_hi, p_first)))
+            win_lo = jnp.minimum(win_lo, jnp.min(jnp.where(in_blk, b_lo, win_lo)))
         qc = lax.dynamic_slice_in_dim(q_pad, t0, bq).reshape(bq, nk, g, h)
         table = meta.page_indices[s]
 
@@ -315,9 +329,15 @@ def _ref_prefill_chunks(
             lp = jnp.clip(j * ppb + jnp.arange(ppb), 0, p_max - 1)
             k, v = _gather_kv_block(kv_pages, table[lp], kv_dtype)  # [K, L, H]
             kv_pos = j * bkv + jnp.arange(bkv)
-            ok = row_ok[:, None] & (kv_pos[None, :] <= pos[:, None])  # [Q, L]
+            ok = kv_pos[None, :] <= pos[:, None]  # [Q, L] causal
             if sliding_window is not None:
                 ok &= pos[:, None] - kv_pos[None, :] < sliding_window
+            if blocks:   # Gemma 4: AND(window, OR(causal, block)); the 12B: OR(AND(causal, window), block)
+                blk = (kv_pos[None, :] >= b_lo[:, None]) & (kv_pos[None, :] <= b_hi[:, None])
+                if sliding_window is not None and meta.block_in_window:
+                    blk &= pos[:, None] - kv_pos[None, :] < sliding_window
+                ok |= blk
+            ok &= row_ok[:, None]
             kv_ok = (kv_pos >= win_lo) & (kv_pos <= p_last)
             v = jnp.where(kv_ok[None, :, None], v, jnp.zeros((), v.dtype))
             s_ = _scores(_qk("qkgh,klh->kgql", qc, k), sm_scale * k_scale, soft_cap)
@@ -739,6 +759,8 @@ def kernel_supports(kv_pages: jax.Array, q: jax.Array, meta: RaggedMeta) -> str 
     """
     s_max, p_max = meta.page_indices.shape
     t_pad = q.shape[0]
+    if meta.block_lo is not None:
+        return "bidirectional image blocks (block_lo / block_hi) are not in the kernel"
     if not jnp.issubdtype(kv_pages.dtype, jnp.floating):
         return f"pages of dtype {kv_pages.dtype} are bit-stored (the XLA:CPU layout); the kernel needs float pages"
     if q.shape[2] != kv_pages.shape[3]:

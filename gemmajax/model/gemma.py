@@ -315,13 +315,19 @@ def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, x: Array,
 
 
 def decoder(w: Weights, cfg: ModelConfig, ids: Array, positions: Array, attend: AttendFn, kv: tuple,
-            shared_band: Callable | None = None) -> tuple[Array, tuple]:
+            shared_band: Callable | None = None, soft_tokens: tuple[Array, Array] | None = None
+            ) -> tuple[Array, tuple]:
     """Run all layers. ids, positions: [B, T]; kv: one cache slot per KV-owning layer (cfg.kv_layers).
 
     `shared_band(x, positions, ple) -> (x, positions, ple, attend)` may shrink the token set before the first
     KV-shared layer (they write no cache, so only positions whose logits are needed must go on) and give the
-    attention function those layers use. Returns (final-normed hidden [B, T', D], updated kv)."""
+    attention function those layers use. `soft_tokens` = (mask bool [B, T], rows [B, T, D]): image / audio soft
+    tokens replace the embedding where mask is set (HF: ids there are the pad id, the rows are not scaled, and
+    PLE projects the merged rows; model/multimodal.py). Returns (final-normed hidden [B, T', D], updated kv)."""
     x = embed(w, cfg, ids)
+    if soft_tokens is not None:
+        mask, rows = soft_tokens
+        x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
     ple = per_layer_inputs(w, cfg, ids, x)
     kv = list(kv)
     slot = cfg.kv_slot

@@ -188,22 +188,29 @@ def strip_thinking(text: str) -> str:
 # Built-in renderers
 # ---------------------------------------------------------------------------------------------------
 
-def _check_text_only(messages: Sequence[Mapping]) -> None:
-    """Image and audio parts are refused, never dropped: no media encoder serves requests yet, and a checkpoint's
-    jinja template would otherwise render the conversation without the picture (the model answering as if none
-    had been sent)."""
+MEDIA_PLACEHOLDERS = {"image": "<|image|>", "audio": "<|audio|>"}
+
+
+def _check_parts(messages: Sequence[Mapping]) -> None:
+    """Only text parts and decoded media parts ({"type": "image"} / {"type": "audio"}, which render as their
+    placeholder) reach a template. Raw image_url / input_audio parts (and any other kind) are refused, never
+    dropped: a checkpoint's jinja template could otherwise render the conversation without the picture, the model
+    answering as if none had been sent. LLM.chat and the server decode media first (engine/chat.py)."""
     for i, msg in enumerate(messages):
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if isinstance(content, (list, tuple)):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                if kind != "text":
+                if kind != "text" and kind not in MEDIA_PLACEHOLDERS:
                     raise ChatTemplateError(f"messages.{i}.content.{j}: content part of type {kind!r} is not "
-                                            f"supported: this build serves text only (no image or audio encoder)")
+                                            f"supported here: decode media first (LLM.chat and the server do), "
+                                            f"then pass text, image and audio parts")
 
 
 def _text_of(content: Any, where: str, joiner: str = "") -> str:
-    """Text of message content: a string, or a list of {"type": "text", "text": ...} parts (each trimmed)."""
+    """Text of message content: a string, or a list of {"type": "text", "text": ...} parts (each trimmed) and
+    decoded media parts, rendered as their `<|image|>` / `<|audio|>` placeholder (expanded later to the soft
+    tokens: gemmajax.tools.media.expand_prompt)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -212,10 +219,13 @@ def _text_of(content: Any, where: str, joiner: str = "") -> str:
         texts = []
         for part in content:
             kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind != "text":
-                raise ChatTemplateError(f"{where}: content part of type {kind!r} is not supported (text only; "
-                                        "this engine has no image/audio/video input)")
-            texts.append(str(part.get("text", "")).strip())
+            if kind in MEDIA_PLACEHOLDERS:
+                texts.append(MEDIA_PLACEHOLDERS[kind])
+            elif kind == "text":
+                texts.append(str(part.get("text", "")).strip())
+            else:
+                raise ChatTemplateError(f"{where}: content part of type {kind!r} is not supported (text, image or "
+                                        f"audio)")
         return joiner.join(texts)
     raise ChatTemplateError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
 
@@ -431,7 +441,7 @@ class ChatTemplate:
         """The prompt text for `messages` (OpenAI-style dicts), starting with the BOS token."""
         if not messages:
             raise ChatTemplateError("messages is empty")
-        _check_text_only(messages)
+        _check_parts(messages)
         if self._compiled is not None:
             try:
                 return self._compiled.render(

@@ -79,22 +79,36 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(s, generator=g) * 0.1)
 
 
-def build_mm(variant: str, seed: int = 0, dtype=torch.float32, audio: dict | None = None):
+REAL_VOCAB = 262144
+REAL_MM_IDS = {"image_token_id": 258880, "boi_token_id": 255999, "eoi_token_id": 258882, "audio_token_id": 258881,
+               "boa_token_id": 256000, "eoa_token_index": 258883, "video_token_id": 258884}
+
+
+def build_mm(variant: str, seed: int = 0, dtype=torch.float32, audio: dict | None = None, real_vocab: bool = False):
     """(torch model, config dict) for "e2b", "31b" or "12b" (see the module docstring); eager attention.
-    audio: overrides of the e2b audio config (e.g. another attention chunk / context)."""
+    audio: overrides of the e2b audio config (e.g. another attention chunk / context). real_vocab: the real
+    262,144-token vocabulary and Gemma 4's own placeholder ids, so the real tokenizer and chat template drive it."""
+    if real_vocab:
+        return _build_mm(variant, seed, dtype, audio, {"vocab_size": REAL_VOCAB,
+                                                        "vocab_size_per_layer_input": REAL_VOCAB}, REAL_MM_IDS)
+    return _build_mm(variant, seed, dtype, audio, {}, MM_IDS)
+
+
+def _build_mm(variant, seed, dtype, audio, vocab, ids):
     if variant == "12b":
         from transformers.models.gemma4_unified import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
         cfg = Gemma4UnifiedConfig(
-            text_config=_text(attention_k_eq_v=True, num_global_key_value_heads=1, use_bidirectional_attention="vision"),
+            text_config=_text(attention_k_eq_v=True, num_global_key_value_heads=1, use_bidirectional_attention="vision",
+                              **vocab),
             vision_config={"mm_embed_dim": 40, "output_proj_dims": 40, "mm_posemb_size": 24},
-            audio_config={"audio_embed_dim": 640}, **MM_IDS)
+            audio_config={"audio_embed_dim": 640}, **ids)
         cls = Gemma4UnifiedForConditionalGeneration
     else:
         from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-        text = _text(hidden_size_per_layer_input=16) if variant == "e2b" else \
-            _text(attention_k_eq_v=True, num_global_key_value_heads=1, use_bidirectional_attention="vision")
+        text = _text(hidden_size_per_layer_input=16, **vocab) if variant == "e2b" else \
+            _text(attention_k_eq_v=True, num_global_key_value_heads=1, use_bidirectional_attention="vision", **vocab)
         cfg = Gemma4Config(text_config=text, vision_config=VISION[variant],
-                           audio_config={**AUDIO_CFG, **(audio or {})} if variant == "e2b" else None, **MM_IDS)
+                           audio_config={**AUDIO_CFG, **(audio or {})} if variant == "e2b" else None, **ids)
         cls = Gemma4ForConditionalGeneration
     cfg._attn_implementation = "eager"
     for sub in ("text_config", "vision_config", "audio_config"):

@@ -24,6 +24,7 @@ from gemmajax.kv import (
     read_kv,
     write_kv,
 )
+from gemmajax.kv.attention import kernel_supports
 from gemmajax.kv.layout import storage_dtype
 
 DTYPES = {
@@ -480,3 +481,46 @@ def test_ref_decode_only_form(dt, window, bits, read_only):
     with pytest.raises(ValueError, match="decode_only"):
         bad = dataclasses.replace(case, q=case.q[:6], k_new=case.k_new[:6], v_new=case.v_new[:6])
         run(bad, "ref", sliding_window=window, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("in_window", [True, False])
+@pytest.mark.parametrize("window, block_q", [(None, None), (6, 4), (24, None)])
+def test_ref_bidirectional_blocks(window, block_q, in_window):
+    """Image blocks (block_lo / block_hi): a query inside a block also sees the block's keys; Gemma 4's rule keeps
+    the sliding window on them (AND(window, OR(causal, block))), the 12B's does not (OR(AND(causal, window),
+    block)); tokens outside any block stay causal. Against the dense oracle with the same mask, and the causal
+    result differs (the mask matters)."""
+    seqs = [(5, 14), (0, 9), (3, 1)]              # (cached, new): the third is a decode row
+    case = make_case(seqs, n=4, nk=2, h=32, ps=8, dtype=jnp.float32, window=None, seed=3)
+    blocks = {0: (8, 16), 1: (2, 5)}             # absolute positions [a, b] of one block per prefill sequence
+    t_pad = case.q.shape[0]
+    lo, hi, t0 = np.full(t_pad, 1 << 30, np.int32), np.full(t_pad, -1, np.int32), 0
+    for s_, (cached, ql) in enumerate(seqs):
+        a, b = blocks.get(s_, (-1, -2))
+        for i in range(ql):
+            if a <= cached + i <= b:
+                lo[t0 + i], hi[t0 + i] = a, b
+        t0 += ql
+    meta = dataclasses.replace(case.meta, block_lo=jnp.asarray(lo), block_hi=jnp.asarray(hi),
+                               block_in_window=in_window)
+    out, _ = _run(case.q, case.k_new, case.v_new, case.kv_pages, meta, impl="ref", sliding_window=window,
+                  block_q=block_q)
+    q = np.asarray(case.q, np.float64)
+    want, t0 = [], 0
+    for s_, (cached, ql) in enumerate(seqs):
+        kv_len = cached + ql
+        k, v = np.repeat(case.k_full[s_], 2, axis=1), np.repeat(case.v_full[s_], 2, axis=1)
+        qpos, kpos = (cached + np.arange(ql))[:, None], np.arange(kv_len)[None]
+        blk = (kpos >= lo[t0:t0 + ql, None]) & (kpos <= hi[t0:t0 + ql, None])
+        win = (qpos - kpos < window) if window is not None else True
+        mask = ((kpos <= qpos) | blk) & win if in_window else ((kpos <= qpos) & win) | blk
+        sc = np.where(mask[None], np.einsum("qnh,lnh->nql", q[t0:t0 + ql], k), -np.inf)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        want.append(np.einsum("nql,lnh->qnh", p / p.sum(-1, keepdims=True), v))
+        t0 += ql
+    want = np.concatenate(want)
+    np.testing.assert_allclose(np.asarray(out)[:t0], want, rtol=2e-4, atol=2e-4)
+    causal, _ = _run(case.q, case.k_new, case.v_new, case.kv_pages, case.meta, impl="ref", sliding_window=window,
+                     block_q=block_q)
+    assert np.abs(np.asarray(causal)[:t0] - want).max() > 1e-2
+    assert kernel_supports(case.kv_pages, case.q, meta) is not None   # the kernel does not take it: reference
