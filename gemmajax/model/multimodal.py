@@ -18,12 +18,12 @@ end to end in tests/model/test_vision.py::test_merged_prompt_reproduces_hf_logit
   3. Masks, when text_config.use_bidirectional_attention == "vision" (26B, 31B, 12B) *and* the processor's
      mm_token_type_ids are given (without them HF is plain causal; E2B / E4B are always causal). A block is a
      maximal run of image / video placeholders (`vision_block_ids`; the begin / end markers and audio are not in
-     it). Gemma4ForConditionalGeneration (forward and generate) and Gemma4UnifiedForConditionalGeneration.generate:
-     full-attention layers stay causal; sliding layers let query i see key j iff (j <= i or block[i] == block[j]
+     it). Gemma4ForConditionalGeneration (forward and generate): full-attention layers stay causal; sliding layers let query i see key j iff (j <= i or block[i] == block[j]
      >= 0) and i - j < sliding_window, so an image token also sees the later tokens of its image, but no key
-     sliding_window or more behind it. Gemma4UnifiedModel.forward called on its own (no mask dict) differs: it ORs
-     the block in after the window, on every layer type (full: j <= i or same block; sliding: (j <= i and
-     i - j < W) or same block). HF drops mm_token_type_ids on decode steps (new tokens are text).
+     sliding_window or more behind it. The 12B (Gemma4UnifiedModel.forward, and so its generate: measured, HF's
+     generate and forward pick the same tokens and the Gemma 4 rule does not) ORs the block in after the window,
+     on every layer type (full: j <= i or same block; sliding: (j <= i and i - j < W) or same block); the engine
+     follows each (RunnerSpec.block_mode). HF drops mm_token_type_ids on decode steps (new tokens are text).
      Consequence for chunked prefill / prefix caching: an image block's K/V depend on the whole block, so a block
      must not be split across prefill chunks (or its earlier chunk must be recomputed) on those models.
 """
