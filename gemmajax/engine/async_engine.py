@@ -36,6 +36,8 @@ class AsyncEngineClient:
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.chat_template = chat_template
         self.sampling_defaults = sampling_defaults or {}
+        self.media_fetch = None          # url -> bytes for http(s) images (off unless --allowed-media-domains)
+        self.media_limits: dict[str, int] | None = None   # most images / audios per prompt
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -63,6 +65,7 @@ class AsyncEngineClient:
         client = cls(llm.engine, model_name=name, chat_template=llm.chat_template(), tokenizer=llm.tokenizer,
                      sampling_defaults={} if budget is None else {"thinking_token_budget": budget})
         client._llm = llm
+        client.media_limits = getattr(args, "limit_mm_per_prompt", None)
         return client
 
     # ------------------------------------------------------------------ EngineClient protocol
@@ -77,17 +80,31 @@ class AsyncEngineClient:
                                          add_generation_prompt=add_generation_prompt, **template_kwargs)
         return self.tokenizer.encode(text, add_bos=False)
 
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None, enable_thinking: bool,
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> tuple[list[int], list]:
+        """(prompt ids, processed media) of a conversation with image / audio parts (engine/chat.py rules: the
+        server's allow-listed fetcher for http(s) images, its per-prompt limits)."""
+        from gemmajax.engine.chat import expand_media_prompt, prepare_media
+        messages, items = prepare_media(messages, getattr(self.engine, "mm_config", None), fetch=self.media_fetch,
+                                        limits=self.media_limits)
+        text = self.chat_template.render(messages, tools=tools, enable_thinking=enable_thinking,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if items:
+            text = expand_media_prompt(text, items)
+        return self.tokenizer.encode(text, add_bos=False), items
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, after: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, after: str | None = None,
+                       media: list | None = None) -> AsyncIterator[RequestOutput]:
         """The outputs of one generation as the engine makes them. after: a sibling choice's request id (same
-        prompt), whose prompt pages this one reuses (LLMEngine.add_request)."""
+        prompt), whose prompt pages this one reuses; media: the prompt's processed images / audio
+        (LLMEngine.add_request)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
-        self._post(("add", (request_id, prompt_token_ids, params, after)))
+        self._post(("add", (request_id, prompt_token_ids, params, after, media)))
         try:
             while True:
                 item = await q.get()
@@ -136,9 +153,9 @@ class AsyncEngineClient:
                 inbox, self._inbox = self._inbox, []
             for kind, payload in inbox:
                 if kind == "add":
-                    rid, ids, params, after = payload
+                    rid, ids, params, after, media = payload
                     try:
-                        eng.add_request(rid, ids, params, after=after)
+                        eng.add_request(rid, ids, params, after=after, media=media)
                     except Exception as e:  # noqa: BLE001 — a bad request fails alone
                         self._deliver(rid, e)
                 else:

@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "thought is forced); without it a constrained answer still gets half of max_tokens")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--allowed-media-domains", default="",
+                   help="comma-separated domains whose http(s) image URLs the server fetches (default: none; data "
+                        "URLs always work)")
+    p.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                   help='most media per prompt, e.g. \'{"image": 4, "audio": 1}\'')
     p.add_argument("--precompile", action="store_true",
                    help="compile every step shape before serving, so no request waits for a compile (minutes on a "
                         "CPU; the persistent compilation cache makes restarts fast)")
@@ -169,6 +174,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngineClient.from_args(args)
+    domains = [d for d in (args.allowed_media_domains or "").split(",") if d.strip()]
+    if domains:
+        from gemmajax.server.media_fetch import make_fetcher
+        engine.media_fetch = make_fetcher(domains)
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_request_bytes=args.max_request_bytes)
     run_server(app, host=args.host, port=args.port, log_level=args.log_level,
                timeout_graceful_shutdown=args.timeout_graceful_shutdown)

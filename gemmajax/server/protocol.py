@@ -44,18 +44,34 @@ class _Request(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- chat messages
+class ImageURL(_Request):
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(_Request):
+    data: str
+    format: str = "wav"
+
+
 class ContentPart(_Request):
-    type: str
+    """OpenAI content parts: text, image_url (a data URL, or http(s) where the server allows the domain) and
+    input_audio (base64 WAV). Media are decoded by the chat serving (engine/chat.py prepare_media)."""
+
+    type: Literal["text", "image_url", "input_audio"]
     text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text":
-            raise ValueError(f"gemmajax serves a text-only model: content part type must be 'text', "
-                             f"got {short_repr(self.type)}")
-        if self.text is None:
-            raise ValueError("a text content part needs `text`")
+    def _fields(self) -> ContentPart:
+        need = {"text": self.text, "image_url": self.image_url, "input_audio": self.input_audio}[self.type]
+        if need is None:
+            raise ValueError(f"a {self.type} content part needs `{self.type}`")
         return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
 
 
 class FunctionCall(_Request):
@@ -95,6 +111,10 @@ class ChatMessage(_Request):
         if self.content is None or isinstance(self.content, str):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
+
+    @property
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(p.type != "text" for p in self.content)
 
 
 # --------------------------------------------------------------------------------------------- chat options

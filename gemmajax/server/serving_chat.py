@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -47,7 +48,7 @@ class ChatServing(ServingBase):
         model = self.check_model(req.model)
         thinking = req.enable_thinking
         parse = req.tools_active or thinking
-        prompt_ids = self._render(req, thinking)
+        prompt_ids, media = self._render(req, thinking)
         room = self.room_for_output(len(prompt_ids), "messages")
         max_tokens = room if req.requested_max_tokens is None else min(req.requested_max_tokens, room)
         grammar, grammar_param = self._grammar(req, thinking)
@@ -63,6 +64,7 @@ class ChatServing(ServingBase):
         choices = self.make_choices(rid, [prompt_ids], params_for, req.n, req.seed)
         for c in choices:
             c.grammar_param = grammar_param
+            c.media = media
         parser_kw = {"reasoning": thinking, "prompt_in_reasoning": thinking and self._prompt_in_reasoning(prompt_ids)}
         if req.stream:
             return self._stream(req, rid, model, choices, parse, parser_kw)
@@ -75,7 +77,8 @@ class ChatServing(ServingBase):
         names_by_id: dict[str, str] = {}
         out = []
         for i, m in enumerate(req.messages):
-            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            d: dict[str, Any] = {"role": m.role,
+                                 "content": [p.as_dict() for p in m.content] if m.has_media else m.text()}
             if m.name is not None:
                 d["name"] = m.name
             if m.reasoning_content is not None:
@@ -109,13 +112,31 @@ class ChatServing(ServingBase):
             out.append(d)
         return out
 
-    def _render(self, req: ChatCompletionRequest, thinking: bool) -> list[int]:
+    def _render(self, req: ChatCompletionRequest, thinking: bool) -> tuple[list[int], list]:
+        """(prompt ids, processed media in prompt order). Media parts are decoded by the engine client's
+        `chat_prompt` (engine/chat.py prepare_media: data URLs, allow-listed http(s) URLs, base64 WAV); a bad
+        medium is a 400 naming its part, an engine without media support refuses them."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
+        messages = self._messages(req)
+        media_used = any(m.has_media for m in req.messages)
+        chat_prompt = getattr(self.engine, "chat_prompt", None)
         try:
-            return list(self.engine.render_chat(self._messages(req), tools=tools, enable_thinking=thinking,
-                                                add_generation_prompt=req.add_generation_prompt, **kwargs))
+            if chat_prompt is not None:
+                ids, media = chat_prompt(messages, tools=tools, enable_thinking=thinking,
+                                         add_generation_prompt=req.add_generation_prompt, **kwargs)
+                return list(ids), media
+            if media_used:
+                i = next(k for k, m in enumerate(req.messages) if m.has_media)
+                j = next(k for k, p in enumerate(req.messages[i].content) if p.type != "text")
+                raise APIError(400, f"messages.{i}.content.{j}: this server takes text only",
+                               param=f"messages.{i}.content.{j}")
+            return list(self.engine.render_chat(messages, tools=tools, enable_thinking=thinking,
+                                                add_generation_prompt=req.add_generation_prompt, **kwargs)), []
         except _template_errors() as e:
+            where = re.match(r"messages\.\d+\.content\.\d+", str(e))
+            if where is not None:   # a medium that does not decode, or that this checkpoint cannot see
+                raise APIError(400, str(e), param=where.group(0)) from e
             raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                            param="messages") from e
 

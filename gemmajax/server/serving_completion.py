@@ -67,6 +67,7 @@ class Choice:
     params: Any
     count_prompt: bool = True  # count the prompt's tokens in metrics/usage once per prompt, not once per choice
     after: str | None = None   # the request id of the prompt's first choice, whose prompt pages this one reuses
+    media: list | None = None  # processed images / audio of the prompt (chat)
     grammar_param: str | None = None  # the request field a grammar came from, to name it when it fails
     prompt_param: str | None = None  # the request field the prompt came from, to name it when the engine refuses it
     last: Any = None  # the latest RequestOutput
@@ -182,7 +183,8 @@ class ServingBase:
         a finish_reason "error" with no tokens) becomes a 400; an error after tokens were produced stays a 500.
         """
         timer = GenerationTimer(self.metrics)
-        stream = self.engine.generate(choice.request_id, choice.prompt_ids, choice.params, after=choice.after)
+        kw = {"media": choice.media} if choice.media else {}
+        stream = self.engine.generate(choice.request_id, choice.prompt_ids, choice.params, after=choice.after, **kw)
         finished = False
         try:
             async for out in stream:
