@@ -12,6 +12,7 @@ import asyncio
 import importlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -160,7 +161,8 @@ class ServingBase:
                        skip_special_tokens=skip_special_tokens, grammar=grammar,
                        thinking_token_budget=pick("thinking_token_budget", None))
         except ValueError as e:  # SamplingParams' own validation names the field
-            raise APIError(400, f"invalid sampling parameters: {e}") from e
+            field = re.search(r"SamplingParams\.(\w+)", str(e))
+            raise APIError(400, f"invalid sampling parameters: {e}", param=field.group(1) if field else None) from e
 
     def make_choices(self, base_id: str, prompts: list[list[int]], params_for: Callable[[int | None], Any],
                      n: int, seed: int | None) -> list[Choice]:

@@ -510,10 +510,10 @@ def test_hostile_but_valid_requests_hurt_no_one(server, offline):
         ("completion", {"prompt": "x", "seed": 2**64, "temperature": 1.0}, 400, "seed"),
         ("completion", {"prompt": "x", "stop_token_ids": [10**12]}, 200, None),
         ("completion", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
-        ("completion", {"prompt": "x", "temperature": 1e308}, 200, None),
+        ("completion", {"prompt": "x", "temperature": 1e308}, 400, "temperature"),   # overflows the f32 sampler
         ("completion", {"prompt": "x", "temperature": 1e-45}, 200, None),
-        ("completion", {"prompt": "x", "repetition_penalty": 1e308, "temperature": 0.5}, 200, None),
-        ("completion", {"prompt": "x", "repetition_penalty": 1e-300}, 200, None),
+        ("completion", {"prompt": "x", "repetition_penalty": 1e308, "temperature": 0.5}, 400, "repetition_penalty"),
+        ("completion", {"prompt": "x", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
         ("completion", {"prompt": "word " * 490, "max_tokens": 10**18}, 200, None),
         ("completion", {"prompt": [262144]}, 400, "prompt"),
         ("completion", {"prompt": [10**30]}, 400, "prompt"),
