@@ -27,7 +27,7 @@ from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig
 from gemmajax.engine.sequence import Sequence, SequenceStatus
 from gemmajax.engine.media_inputs import MediaState
-from gemmajax.engine.spec_decode import SpecConfig, accepted_tokens, ngram_propose
+from gemmajax.engine.spec_decode import Drafter, SpecConfig, accepted_tokens, ngram_propose
 from gemmajax.engine.thinking import ThoughtTracker
 from gemmajax.kv.layout import resolve_auto
 from gemmajax.model import gemma
@@ -82,6 +82,7 @@ class _Pending:
     result: Any
     drafts: list[list[int]] = field(default_factory=list)   # per entry: the drafted tokens it verifies
     masks: list = field(default_factory=list)              # per entry: grammar masks of its k + 1 rows, or None
+    hidden: Any = None                                     # [R_pad, D] final-normed hidden of the rows (drafter)
 
     @property
     def rows(self) -> list[int]:
@@ -112,6 +113,7 @@ class _ReqState:
     thought: ThoughtTracker | None = None
     spec_masks: list = field(default_factory=list)   # grammar masks of the drafts being verified
     media: MediaState | None = None                   # images / audio of the prompt
+    draft_hidden: np.ndarray | None = None            # the target's hidden state before the newest token (drafter)
 
     def forced_token(self) -> int | None:
         """The token the next sample must be, if any: `<channel|>` once the thought is at its budget (unless the
@@ -144,10 +146,14 @@ class LLMEngine:
                                config.kv_dtype, attn_impl=config.attn_impl,
                                bits=jax.default_backend() == "cpu" and config.attn_impl in ("auto", "ref"),
                                block_mode="all" if self.mm_config is not None and self.mm_config.unified else "sliding")
+        spec_cfg = SpecConfig.parse(config.speculative)
+        self.drafter = None
+        if spec_cfg is not None and spec_cfg.method == "draft_model":
+            self.drafter = Drafter(spec_cfg.model, cfg, str(gemma.compute_dtype(weights)), groups)
         windows = {}
         for s in cfg.layers:
-            if s.window is not None:
-                windows[s.kind] = max(windows.get(s.kind, 0), s.window)
+            if s.window is not None:   # a drafter reads 2 positions more of the target's sliding K/V
+                windows[s.kind] = max(windows.get(s.kind, 0), s.window + (2 if self.drafter is not None else 0))
         self.block_manager = BlockManager(
             [KVGroupSpec(name=g, num_pages=n, page_size=config.page_size, window=windows.get(g))
              for g, n in zip(groups, num_pages)], enable_prefix_caching=config.enable_prefix_caching)
@@ -168,9 +174,6 @@ class LLMEngine:
                                "lookahead_steps": 0}
         self._inflight: _Pending | None = None   # a dispatched lookahead step whose tokens are not read yet
         self.spec_config = SpecConfig.parse(config.speculative)
-        if self.spec_config is not None and self.spec_config.method != "ngram":
-            raise NotImplementedError(f"speculative_config.method {self.spec_config.method!r} is not built yet; "
-                                      f"use 'ngram'")
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
     def kv_summary(self) -> str:
@@ -380,12 +383,13 @@ class LLMEngine:
         states = [self._reqs[s.request_id] for s in seqs]
         greedy = prev is not None or plain_greedy(seqs, [st.constraint for st in states], self.eos_token_ids,
                                                   [st.forced_token() for st in states])
-        if greedy:
-            # argmax inside the step: no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
-            result = self.runner.forward_greedy(inp)
-        else:
-            result = self.runner.forward(inp)
-        return _Pending(list(scheduled), samples, s_pad, greedy, result, drafts if R > S else [], masks)
+        want_h = self.drafter is not None
+        # greedy: argmax inside the step, no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
+        result = (self.runner.forward_greedy if greedy else self.runner.forward)(inp, hidden=want_h)
+        hidden = None
+        if want_h:
+            result, hidden = result
+        return _Pending(list(scheduled), samples, s_pad, greedy, result, drafts if R > S else [], masks, hidden)
 
     def _with_soft_tokens(self, inp, media: list, t_pad: int):
         """The step's image / audio rows (media_inputs.step_inputs), encoding the media of requests seen for the
@@ -428,6 +432,13 @@ class LLMEngine:
                 for i in verifying:
                     d, r = p.drafts[i], first[i]
                     sampled[sched[i].seq.seq_id] = self._accept(d, toks[r:r + 1 + len(d)])
+        if p.hidden is not None:   # the drafter's next input: the hidden state of the row that gave the newest token
+            h = np.asarray(p.hidden, np.float32)
+            for i in p.rows:
+                st = self._reqs.get(sched[i].seq.request_id)
+                new = sampled[sched[i].seq.seq_id]
+                if st is not None:
+                    st.draft_hidden = h[first[i] + (len(new) - 1 if isinstance(new, list) else 0)]
         self.scheduler.update_after_step(sched, sampled)
         self.stats_counters["steps"] += 1
         for seq, _ in sched:
@@ -491,18 +502,29 @@ class LLMEngine:
         requests with logprobs, penalties, stop strings, min_tokens still to go or a thinking budget (each needs
         the host between two tokens); never past max_tokens or max_model_len."""
         cfg = self.spec_config
+        rows = []   # (seq, state, k) of the sequences that draft this step
         for seq in self.scheduler.running:
             seq.spec_tokens = []
             st = self._reqs.get(seq.request_id)
             p = seq.params
             if (st is None or seq.num_new_tokens_to_compute != 1 or p.logprobs is not None or p.uses_penalties
-                    or p.stop or seq.num_output_tokens < p.min_tokens or p.thinking_token_budget is not None):
+                    or p.stop or seq.num_output_tokens < p.min_tokens or p.thinking_token_budget is not None
+                    or (self.drafter is not None and st.draft_hidden is None)):
                 continue
             k = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-            if k <= 0:
-                continue
-            d = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if k > 0:
+                rows.append((seq, st, k))
+        if self.drafter is not None and rows:
+            k_max = max(k for _, _, k in rows)
+            entries = [(seq.last_token_id, seq.num_computed_tokens, [list(pt) for pt in seq.page_tables],
+                        st.draft_hidden) for seq, st, _ in rows]
+            drafted = self.drafter.draft(self.runner, entries, k_max, bucket(len(rows), self.s_buckets))
+        for i, (seq, st, k) in enumerate(rows):
+            if self.drafter is not None:
+                d = [int(t) for t in drafted[i, :k]]
+            else:
+                d = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if d and st.constraint is not None:
                 d, st.spec_masks = self._grammar_masks(st.constraint, d)
             seq.spec_tokens = d

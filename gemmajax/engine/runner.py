@@ -126,21 +126,23 @@ def abstract_caches(spec: RunnerSpec, sharding=None) -> tuple:
                  for li, lay in zip(spec.cfg.kv_layers, spec.layouts()))
 
 
-def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
+def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs, *, greedy: bool = False,
+               hidden: bool = False) -> tuple[Any, tuple]:
     """Run the scheduled tokens through the model. Returns (logits [R, V] float32 of the logits rows: each
-    sequence's last token, or its verified tokens; updated kv)."""
+    sequence's last token, or its verified tokens; updated kv).
+
+    greedy: the sampler's greedy rule (first index of the row maximum) inside the same program, tokens int32 [R]
+    instead of logits: the [R, V] logits never leave the step (no float32 copy, log-sum-exp or second dispatch for
+    an all-greedy batch). hidden: ((out, final-normed hidden [R, D]), kv), the drafter's input."""
     h, kv = model_hidden(weights, spec, kv, inp)
-    return gemma.lm_head(weights, spec.cfg, h).astype(f32), kv
+    logits = gemma.lm_head(weights, spec.cfg, h)                     # [R, V] activation dtype
+    out = greedy_argmax(logits.astype(f32)) if greedy else logits.astype(f32)
+    return ((out, h) if hidden else out), kv
 
 
-def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs
-                      ) -> tuple[jax.Array, tuple]:
-    """`model_step` followed by the sampler's greedy rule (first index of the row maximum), inside the same
-    program: returns (tokens int32 [S], updated kv). The [S, V] logits never leave the step, and no float32
-    copy, log-sum-exp or second dispatch is paid for an all-greedy batch."""
-    h, kv = model_hidden(weights, spec, kv, inp)
-    logits = gemma.lm_head(weights, spec.cfg, h)                     # [S, V] activation dtype
-    return greedy_argmax(logits.astype(f32)), kv
+def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[Any, tuple]:
+    """`model_step` with greedy=True: (tokens int32 [R], updated kv)."""
+    return model_step(weights, spec, kv, inp, greedy=True)
 
 
 def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
@@ -261,13 +263,13 @@ def build_step_inputs(spec: RunnerSpec, entries: list[tuple], t_pad: int, s_pad:
 
 
 @functools.lru_cache(maxsize=16)
-def compiled_step(spec: RunnerSpec, greedy: bool = False):
+def compiled_step(spec: RunnerSpec, greedy: bool = False, hidden: bool = False):
     """The jitted step for a runner spec, shared by every runner (engine) with the same spec, so a second engine
-    over the same model reuses the compiled programs. greedy: `model_step_greedy` (tokens) instead of logits."""
-    fn = model_step_greedy if greedy else model_step
+    over the same model reuses the compiled programs. greedy: `model_step_greedy` (tokens) instead of logits;
+    hidden: also return the final-normed hidden [R, D] of the logits rows (a drafter's input): ((out, h), kv)."""
 
     def step(weights, kv, inp):
-        return fn(weights, spec, kv, inp)
+        return model_step(weights, spec, kv, inp, greedy=greedy, hidden=hidden)
     return jax.jit(step, donate_argnums=(1,))
 
 
@@ -280,16 +282,14 @@ class ModelRunner:
         self.kv = alloc_caches(spec)
         self._sample_fn = sample_fn
 
-    @property
-    def _step(self):
-        return compiled_step(self.spec, False)
+    def forward(self, inp: StepInputs, hidden: bool = False):
+        """Run one step; updates the caches in place (donated). Returns logits [R_pad, V] float32 (on device), or
+        with hidden (logits, final-normed hidden [R_pad, D])."""
+        out, self.kv = compiled_step(self.spec, False, hidden)(self.weights, self.kv, inp)
+        return out
 
-    def forward(self, inp: StepInputs) -> jax.Array:
-        """Run one step; updates the caches in place (donated). Returns logits [S_pad, V] float32 (on device)."""
-        logits, self.kv = self._step(self.weights, self.kv, inp)
-        return logits
-
-    def forward_greedy(self, inp: StepInputs) -> jax.Array:
-        """Run one step and pick every row's greedy token on device. Returns tokens int32 [S_pad] (on device)."""
-        tokens, self.kv = compiled_step(self.spec, True)(self.weights, self.kv, inp)
-        return tokens
+    def forward_greedy(self, inp: StepInputs, hidden: bool = False):
+        """Run one step and pick every row's greedy token on device. Returns tokens int32 [R_pad] (on device), or
+        with hidden (tokens, hidden [R_pad, D])."""
+        out, self.kv = compiled_step(self.spec, True, hidden)(self.weights, self.kv, inp)
+        return out

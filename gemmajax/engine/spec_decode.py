@@ -12,9 +12,14 @@ K/V are past the sequence's computed length and are overwritten by later steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+import jax
 import numpy as np
+
+from gemmajax.kv.attention import ragged_paged_attention
+from gemmajax.model import assistant
 
 METHODS = ("ngram", "draft_model")
 
@@ -89,3 +94,54 @@ def accepted_tokens(drafts: list[int], tokens: np.ndarray) -> tuple[list[int], i
     while m < len(drafts) and tokens[m] == drafts[m]:
         m += 1
     return list(drafts[:m]) + [int(tokens[m])], m
+
+
+# ------------------------------------------------------------------------------------------------------------ drafter
+
+class Drafter:
+    """A gemma4_assistant checkpoint drafting for the engine (model/assistant.py).
+
+    Per drafting round and row: the target's newest token t at position p (its K/V not written), the target's
+    final-normed hidden state at p - 1 (kept by the engine from the step that produced t), and the target's paged
+    K/V of the layers the drafter reads (`assistant.target_layers`: the last KV-owning layer of each kind),
+    read-only, one query per row with kv_lens = p. A sliding group must keep W + 2 positions (the drafter reads
+    one more than the target): the engine widens the block manager's windows by 2."""
+
+    def __init__(self, path: str, target_cfg: Any, dtype: str, groups: tuple[str, ...]) -> None:
+        self.acfg, self.aw = assistant.load_assistant(path, dtype=dtype)
+        layers = assistant.target_layers(self.acfg, target_cfg)
+        self.slots = tuple((kind, target_cfg.kv_slot[li]) for kind, li in sorted(layers.items()))
+        self.groups = tuple((kind, groups.index(kind)) for kind, _ in self.slots)
+
+    def draft(self, runner: Any, entries: list[tuple[int, int, list[list[int]], np.ndarray]], k: int,
+              s_pad: int) -> np.ndarray:
+        """Greedy drafts int32 [len(entries), k]. entries: per row (token t, position p, page tables per group,
+        the target's hidden at p - 1 [D_t]); s_pad: the padded row count (a sequence bucket)."""
+        from gemmajax.engine.runner import build_step_inputs
+        n = len(entries)
+        inp = build_step_inputs(runner.spec, [([t], p - 1, 1, pts) for t, p, pts, _ in entries], s_pad, s_pad)
+        hid = np.zeros((s_pad, self.acfg.backbone_hidden_size), np.float32)
+        tok = np.zeros(s_pad, np.int32)
+        pos = np.zeros(s_pad, np.int32)
+        for i, (t, p, _, h) in enumerate(entries):
+            hid[i], tok[i], pos[i] = h, t, p
+        metas = {kind: inp.metas[g] for kind, g in self.groups}
+        out = _draft(self.aw, self.acfg, runner.weights.embed, runner.kv, runner.spec, self.slots, metas, hid, tok,
+                     pos, num_steps=k)
+        return np.asarray(out)[:n]
+
+
+@functools.partial(jax.jit, static_argnames=("acfg", "spec", "slots", "num_steps"))
+def _draft(aw, acfg, target_embed, kv_all, spec, slots, metas, hidden, tokens, positions, num_steps):
+    """`assistant.draft_greedy` over the runner's paged caches (read-only attention: nothing is written)."""
+    kv = {kind: (kv_all[slot], metas[kind]) for kind, slot in slots}
+
+    def attend(lspec, q, k_new, v_new, pages_meta):
+        pages, meta = pages_meta
+        out, _ = ragged_paged_attention(q[:, 0], None, None, pages, meta, sm_scale=acfg.text.attn_scale,
+                                        sliding_window=lspec.window, soft_cap=acfg.text.attn_logit_softcap,
+                                        k_scale=spec.k_scale, v_scale=spec.v_scale, impl=spec.attn_impl,
+                                        kv_dtype=spec.kv_dtype)
+        return out[:, None], pages_meta
+
+    return assistant.draft_greedy(aw, acfg, target_embed, hidden, tokens, positions, kv, num_steps, attend)

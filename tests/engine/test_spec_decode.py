@@ -190,3 +190,76 @@ def test_ngram_with_preemption_abort_and_seeded_sampling(model, gemma4_tokenizer
             assert a.token_ids == b.token_ids, i   # the seeded sampled request too: its draws follow its tokens
     plain, _, _ = _run(model, gemma4_tokenizer, prompts, params, **kw)
     assert [o.token_ids for o in plain] == [o.token_ids for o in want]   # the sampled one too: same keys, same draws
+
+
+# ------------------------------------------------------------------------------------------ the assistant drafter
+
+def _drafter_engine(tmp_path, target, tcfg, drafter, k=3, **kw):
+    t_dir, d_dir = str(tmp_path / "target"), str(tmp_path / "drafter")
+    save_text_checkpoint(target, tcfg, t_dir)
+    drafter.save_pretrained(d_dir)
+    model = gemmajax.load_model(t_dir, "float32")
+    return model, d_dir, SpecConfig(method="draft_model", model=d_dir, num_speculative_tokens=k)
+
+
+def _record_drafts(eng):
+    """Every drafting round: (the sequence's tokens [0, p] when drafting, the drafts)."""
+    rounds, orig = [], eng._propose
+
+    def spy():
+        orig()
+        for seq in eng.scheduler.running:
+            if seq.spec_tokens:
+                rounds.append((list(seq.token_ids), list(seq.spec_tokens)))
+    eng._propose = spy
+    return rounds
+
+
+@pytest.mark.parametrize("variant", ["e2b", "31b"])
+def test_assistant_drafts_are_hfs_and_output_equals_plain(tmp_path, gemma4_tokenizer, variant):
+    """A random target + gemma4_assistant pair (E2B-like: KV-shared store layers, PLE; 31B-like: K=V full layers):
+    batched mixed-length greedy requests give the plain tokens, and every round's drafts equal HF's own
+    Gemma4AssistantForCausalLM run at that state with exactly the target's K/V of the positions before the drafted
+    token (tests/golden/hf_assistant.hf_draft), so the acceptance counts are HF's."""
+    from tests.golden.hf_assistant import build_assistant, build_target, hf_draft
+    target, tcfg = build_target(variant, seed=0)
+    drafter, _ = build_assistant(tcfg, seed=1, ordered=variant == "e2b")
+    model, _, spec = _drafter_engine(tmp_path, target, tcfg, drafter)
+    prompts = _prompts(4, 5)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 7, 15, 9, 11)]
+    want, _, _ = _run(model, gemma4_tokenizer, prompts, params)
+    cfg = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=24, page_size=8, kv_cache_memory=1 << 22,
+               token_buckets=(8, 24), seq_buckets=(3,), speculative=spec)
+    eng = LLMEngine(model.config, model.weights, gemma4_tokenizer, EngineConfig(**cfg))
+    rounds = _record_drafts(eng)
+    accepts = spy_accepts(eng)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert [done[f"r{i}"].token_ids for i in range(5)] == [o.token_ids for o in want]
+    assert rounds and len(accepts) >= len(rounds) // 2
+    for ids, drafts in rounds:
+        hf, _, _ = hf_draft(drafter, target, np.asarray(ids[:-1]), ids[-1], len(drafts))
+        assert drafts == hf, (ids, drafts, hf)
+
+
+def test_agreeing_assistant_is_accepted(tmp_path, gemma4_tokenizer):
+    """A drafter built to agree with its target (tests/golden/hf_assistant.build_agreeing_pair) drafts the
+    target's continuation: nearly every draft is kept (bonus tokens included), in fewer steps, same tokens."""
+    from tests.golden.hf_assistant import SINKS, build_agreeing_pair
+    target, tcfg, drafter, _ = build_agreeing_pair()
+    model, _, spec = _drafter_engine(tmp_path, target, tcfg, drafter, k=4)
+    rng = np.random.default_rng(0)
+    prompts = [[SINKS[i % 2]] + rng.integers(max(SINKS) + 1, 512, size=9).tolist() for i in range(3)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
+    want, plain, _ = _run(model, gemma4_tokenizer, prompts, params)
+    got, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    st = eng.spec_decode_stats()
+    assert st["num_accepted_tokens"] >= 0.9 * st["num_draft_tokens"] > 0, st
+    assert any(m == k for k, m in accepts)
+    assert eng.stats_counters["steps"] < plain.stats_counters["steps"] / 2
