@@ -25,6 +25,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class AsyncEngineClient:
@@ -122,9 +125,12 @@ class AsyncEngineClient:
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
+        spec = self.engine.spec_decode_stats()
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                            kv_cache_usage=self.engine.block_manager.usage(), num_preemptions=s.num_preemptions,
-                           prefix_cache_hit_tokens=s.num_prefix_cache_hit_tokens)
+                           prefix_cache_hit_tokens=s.num_prefix_cache_hit_tokens,
+                           spec_num_drafts=spec["num_drafts"], spec_num_draft_tokens=spec["num_draft_tokens"],
+                           spec_num_accepted_tokens=spec["num_accepted_tokens"])
 
     def check_health(self) -> bool:
         return self._thread.is_alive()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,12 @@ _ENGINE_GAUGES = {
     "num_running": ("gemmajax_num_requests_running", "Requests the engine is running now."),
     "num_waiting": ("gemmajax_num_requests_waiting", "Requests waiting in the engine's queue."),
     "kv_cache_usage": ("gemmajax_kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)."),
+}
+# Cumulative engine counts, exported as Prometheus counters (vLLM's spec-decode names).
+_ENGINE_COUNTERS = {
+    "spec_num_drafts": ("gemmajax_spec_decode_num_drafts", "Speculative drafting rounds (sequences x steps)."),
+    "spec_num_draft_tokens": ("gemmajax_spec_decode_num_draft_tokens", "Tokens drafted."),
+    "spec_num_accepted_tokens": ("gemmajax_spec_decode_num_accepted_tokens", "Drafted tokens accepted."),
 }
 _OPTIONAL_GAUGES = {
     "kv_pages_used": ("gemmajax_kv_cache_pages_used", "KV cache pages held by requests, all KV groups together."),
@@ -67,6 +73,9 @@ class _EngineStatsCollector(Collector):
         for key, (name, doc) in _OPTIONAL_GAUGES.items():
             if key in fields:
                 yield GaugeMetricFamily(name, doc, value=fields.pop(key))
+        for key, (name, doc) in _ENGINE_COUNTERS.items():
+            if key in fields:
+                yield CounterMetricFamily(name, doc, value=fields.pop(key))
         for key, value in sorted(fields.items()):
             yield GaugeMetricFamily(f"gemmajax_engine_{key}", f"EngineStats.{key}", value=value)
 

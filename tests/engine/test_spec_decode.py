@@ -263,3 +263,23 @@ def test_agreeing_assistant_is_accepted(tmp_path, gemma4_tokenizer):
     assert st["num_accepted_tokens"] >= 0.9 * st["num_draft_tokens"] > 0, st
     assert any(m == k for k, m in accepts)
     assert eng.stats_counters["steps"] < plain.stats_counters["steps"] / 2
+
+
+def test_spec_stats_on_metrics(model, gemma4_tokenizer):
+    """The cumulative counts reach /metrics as Prometheus counters (vLLM's names), equal to spec_decode_stats()."""
+    from starlette.testclient import TestClient
+
+    from gemmajax.engine.async_engine import AsyncEngineClient
+    from gemmajax.server.app import build_app
+    spec = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    got, eng, _ = _run(model, gemma4_tokenizer, _prompts(1, 3), [SamplingParams(max_tokens=12, ignore_eos=True)] * 3,
+                       spec)
+    client = AsyncEngineClient(eng, model_name="m", tokenizer=gemma4_tokenizer)
+    try:
+        text = TestClient(build_app(client)).get("/metrics").text
+    finally:
+        client.shutdown()
+    st = eng.spec_decode_stats()
+    assert st["num_accepted_tokens"] > 0
+    for key, value in st.items():
+        assert f"gemmajax_spec_decode_{key}_total {float(value)}" in text, key
