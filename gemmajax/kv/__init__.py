@@ -6,7 +6,6 @@ from gemmajax.kv.attention import (
     ragged_paged_attention,
     ragged_paged_attention_pallas,
     ragged_paged_attention_ref,
-    slot_mapping,
 )
 from gemmajax.kv.layout import (
     KVLayout,
@@ -32,6 +31,5 @@ __all__ = [
     "ragged_paged_attention_pallas",
     "ragged_paged_attention_ref",
     "read_kv",
-    "slot_mapping",
     "write_kv",
 ]

@@ -132,11 +132,6 @@ def _token_seq_and_pos(meta: RaggedMeta, t_pad: int) -> tuple[jax.Array, jax.Arr
     return seq, pos, valid
 
 
-def slot_mapping(meta: RaggedMeta, t_pad: int, page_size: int) -> jax.Array:
-    """Cache slot (page * page_size + offset) of every flat token's new K/V; -1 for padding tokens. int32 [T]."""
-    return _slots(meta, *_token_seq_and_pos(meta, t_pad), page_size)
-
-
 def _slots(meta: RaggedMeta, seq: jax.Array, pos: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:
     p_max = meta.page_indices.shape[1]
     page = meta.page_indices[seq, jnp.clip(pos // page_size, 0, p_max - 1)]
