@@ -236,8 +236,11 @@ def _load_towers(ckpt, dtype: str, quant: str):
         return None, None
     from gemmajax.model.multimodal import MultimodalConfig, load_multimodal
     with open(path) as f:
-        if not MultimodalConfig.from_hf(json.load(f)).param_shapes():
-            return None, None
+        hf = json.load(f)
+    if str(hf.get("model_type", "")).startswith("gemma3"):   # Gemma 3: its text decoder only (no tower support)
+        return None, None
+    if not MultimodalConfig.from_hf(hf).param_shapes():
+        return None, None
     scheme = (quant or "none").split("+")[0]
     return load_multimodal(ckpt, dtype=dtype, quant=scheme)
 
