@@ -10,10 +10,18 @@ once), so a form that re-reads or copies its weight shows up below the bandwidth
 
     .venv/bin/python bench/kernels.py                        # Gemma 3 270M shapes (the default model), M = 1 and 16
     .venv/bin/python bench/kernels.py --model e2b --ms 1,4,16 --only matmul
+    .venv/bin/python bench/kernels.py --only gmm --tokens 1,16  # 26B-A4B experts: grouped matmul vs dense, same bytes
+
+The grouped expert matmul (`--only gmm`) runs `quant.gmm` on one layer's expert stacks of Gemma 4 26B-A4B as the
+loaders quantize them (w8a8 with its activation groups, w4a16; stacks padded as loaded), tokens routed to top-k
+random experts (a new routing every call, so the experts read are cold), and prints its GB/s over the routed
+experts' bytes next to `quant.linear` on one dense weight holding the same bytes (the routed experts' rows stacked)
+at one row per token: at one token both read the same bytes and do the same FLOPs.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import time
@@ -22,7 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmajax.quant import linear
+from gemmajax.config import ModelConfig
+from gemmajax.quant import QuantArray, gmm, linear
+from gemmajax.quant.gmm import gmm_xla
+from gemmajax.quant.int4_matmul import int4_matmul_xla
+from gemmajax.quant.int8_matmul import int8_matmul_xla
 from gemmajax.quant.loading import make_quantizer
 from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu
 
@@ -83,6 +95,9 @@ def matmul_forms(tensor: str, w_bf16: jax.Array) -> dict[str, tuple]:
         q = make_quantizer(mode)(tensor, w_bf16)
         extra = f", act_group {q.act_group}" if getattr(q, "act_group", 0) else ""
         forms[f"{q.kind} linear ({mode}{extra})"] = (linear, q)
+        xla = int8_matmul_xla if q.kind == "int8" else int4_matmul_xla
+        for form in ("vector", "int") if q.kind == "int8" else ("rows", "tiles"):
+            forms[f"  {q.kind} {form} form"] = (functools.partial(xla, form=form), q)
     return {name: (fn, w, w.nbytes) for name, (fn, w) in forms.items()}
 
 
@@ -109,15 +124,75 @@ def bench_matmuls(model: dict, ms: list[int], reps: int, bw: float, skip_head: b
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             forms = dict(all_forms)
-            if name.startswith("lm_head") and m > 1:  # the one-row form re-reads the table per row: minutes
-                forms.pop("  bf16 vector form")
+            if name.startswith("lm_head") and m > 1:  # one-row forms re-read the table per row: minutes
+                for slow in ("  bf16 vector form", "  int8 vector form", "  int4 rows form"):
+                    forms.pop(slow, None)
             jitted = {label: cycling(jax.jit(fn), x, wt) for label, (fn, wt, _) in forms.items()}
             best = round_robin(jitted, reps)
             for label, sec in best.items():
                 nbytes = forms[label][2]
                 gbs = nbytes / sec / 1e9
                 print(f"{name:16s} {k:5d} x {n:6d}  M={m:3d}  {label:34s} {sec * 1e3:9.3f} ms {gbs:7.1f} GB/s "
-                      f"{100 * gbs / bw:5.1f}%  {2 * m * k * n / sec / 1e9:7.1f} GFLOP/s", flush=True)
+                      f"{100 * gbs / bw:5.1f}%  {2 * m * k * n / sec / 1e9:7.1f} GFLOP/s  load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ grouped matmul
+def _random_like(a: jax.ShapeDtypeStruct, rng: np.random.Generator) -> jax.Array:
+    """Random contents for an abstract leaf: any bytes for integer levels, small positive scales."""
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        info = np.iinfo(a.dtype)
+        return jnp.asarray(rng.integers(info.min, info.max, a.shape, endpoint=True, dtype=a.dtype))
+    return jnp.asarray(rng.uniform(0.5e-3, 2e-3, a.shape).astype(np.float32), a.dtype)
+
+
+def expert_stack(mode: str, name: str, shape: tuple[int, int, int], rng: np.random.Generator) -> QuantArray:
+    """The QuantArray the loader's quantizer makes of an expert stack (padding, act_group), with random contents."""
+    abstract = jax.eval_shape(lambda w: make_quantizer(mode)(name, w), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+    return jax.tree.map(lambda a: _random_like(a, rng), abstract)
+
+
+def rotating(fn, x, w, cases):
+    """A zero-argument call of fn(x, w, case_i) that moves to the next routing each call."""
+    it = iter(range(1 << 62))
+    return lambda: fn(x, w, cases[next(it) % len(cases)])
+
+
+def bench_gmm(tokens: list[int], reps: int, bw: float, forms: list[int], routings: int = 8) -> None:
+    """quant.gmm at 26B-A4B expert shapes vs quant.linear at the same bytes (module docstring)."""
+    cfg = ModelConfig.preset("26b-a4b")
+    e, d, f, k = cfg.num_experts, cfg.hidden_size, cfg.moe_dim, cfg.top_k_experts
+    print(f"\n## grouped expert matmul, 26B-A4B (E {e}, top-{k}, D {d}, F {f}): ms per call (min of {reps}), GB/s "
+          f"of the routed experts' bytes, % of {bw:.1f} GB/s; dense = linear on one weight of the same bytes")
+    rng = np.random.default_rng(0)
+    for label, name, (n, kk) in (("gate_up", "layers.0.experts.gate_up_proj", (2 * f, d)),
+                                 ("down", "layers.0.experts.down_proj", (d, f))):
+        for mode in ("w8a8", "w4a16"):
+            q = expert_stack(mode, name, (e, n, kk), rng)
+            per_expert = q.nbytes / e
+            for t in tokens:
+                m = t * k
+                cases = []
+                for _ in range(routings):  # sorted rows of t tokens, each to k distinct random experts
+                    top = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+                    cases.append(jnp.asarray(np.bincount(top.reshape(-1), minlength=e), jnp.int32))
+                hit = float(np.mean([int((np.asarray(c) > 0).sum()) for c in cases]))
+                x = jnp.asarray(rng.standard_normal((m, kk)), jnp.bfloat16)
+                h = round(hit)  # the dense weight: h experts' rows as one [h * N, K] matrix
+                dense = dataclasses.replace(q, values=q.values[:h].reshape(h * q.padded_out, -1),
+                                            scale=q.scale[:h].reshape(h * q.padded_out, *q.scale.shape[2:]),
+                                            shape=(h * n, kk))
+                calls = {"gmm": rotating(jax.jit(gmm), x, q, cases),
+                         f"dense linear, M={t}": cycling(jax.jit(linear), x[:t], dense)}
+                for c in forms:  # the CPU's item sizes (gmm.py's table): one row per item, or c rows
+                    fn = jax.jit(functools.partial(gmm_xla, rows_per_item=c))
+                    calls[f"  gmm rows/item {c}"] = rotating(fn, x, q, cases)
+                best = round_robin(calls, reps)
+                for what, sec in best.items():
+                    nbytes = dense.nbytes if what.startswith("dense") else hit * per_expert
+                    gbs = nbytes / sec / 1e9
+                    print(f"{label:8s} {kk:5d} x {n:5d} {mode:6s} tokens={t:3d} rows={m:4d} experts hit {hit:5.1f}  "
+                          f"{what:18s} {sec * 1e3:9.3f} ms {gbs:7.1f} GB/s {100 * gbs / bw:5.1f}%", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -184,17 +259,22 @@ def main() -> None:
     ap.add_argument("--model", default="gemma3-270m", choices=sorted(MODELS))
     ap.add_argument("--ms", default="1,16", help="activation rows M, comma separated")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--only", choices=("matmul", "attention"))
+    ap.add_argument("--only", choices=("matmul", "attention", "gmm"))
+    ap.add_argument("--tokens", default="1,16", help="gmm: tokens per call (each routed to top-k experts)")
+    ap.add_argument("--gmm-forms", default="", help="gmm: also time the CPU forms with these rows per item, e.g. 1,8")
     ap.add_argument("--skip-head", action="store_true", help="leave out the (slow to build) LM head shapes")
     a = ap.parse_args()
     model = MODELS[a.model]
     bw = measure_bandwidth()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; numpy-sum bandwidth {bw:.1f} GB/s; model {a.model} {model}")
-    if a.only != "attention":
+    if a.only in (None, "matmul"):
         bench_matmuls(model, [int(v) for v in a.ms.split(",")], a.reps, bw, a.skip_head)
-    if a.only != "matmul":
+    if a.only in (None, "attention"):
         bench_attention(model, a.reps, bw)
+    if a.only == "gmm":  # not in the default run: one layer's 26B-A4B stacks take 1-2 GB
+        bench_gmm([int(v) for v in a.tokens.split(",")], a.reps, bw, [int(v) for v in a.gmm_forms.split(",") if v])
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

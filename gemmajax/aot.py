@@ -49,6 +49,7 @@ from gemmajax.kv.attention import kernel_supports  # noqa: E402
 from gemmajax.kv.layout import kv_dtype as resolve_kv_dtype  # noqa: E402
 from gemmajax.kv.layout import resolve_auto  # noqa: E402
 from gemmajax.model import gemma  # noqa: E402
+from gemmajax.quant.gmm import row_tile  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -347,10 +348,12 @@ def decode_bytes_read(cfg: ModelConfig, w: gemma.Weights, batch: int, context: i
     """Bytes one decode step reads from HBM for `batch` sequences at `context` tokens each.
 
     Weights: every leaf once, except the per-layer-embedding table (only the `batch` gathered rows) and the
-    embedding (read in full as the tied LM head, plus the gathered rows); MoE experts: the expected number of
-    distinct experts hit by batch x top_k uniform routings, E (1 - (1 - k/E)^batch). KV: every layer (KV-shared
-    layers included: they read their source's pages) reads min(context, window) tokens of K and V.
-    Returns (weight bytes, KV bytes per sequence).
+    embedding (read in full as the tied LM head, plus the gathered rows); MoE experts: what the grouped matmul
+    (quant/gmm.py) reads, the blocks of the experts the step routes to: the expected number of distinct experts hit
+    by batch x top_k uniform routings, E (1 - (1 - k/E)^batch), each read once, plus one more read per row-tile
+    boundary (an expert whose rows straddle two tiles is fetched for each; none up to 128 rows, i.e. 16 streams of
+    top-8). KV: every layer (KV-shared layers included: they read their source's pages) reads min(context, window)
+    tokens of K and V. Returns (weight bytes, KV bytes per sequence).
     """
     def row_bytes(t) -> float:
         return tree_bytes(t) / t.shape[0]
@@ -361,9 +364,11 @@ def decode_bytes_read(cfg: ModelConfig, w: gemma.Weights, batch: int, context: i
     weights += batch * row_bytes(w.embed)
     if cfg.enable_moe:
         E, k = cfg.num_experts, cfg.top_k_experts
-        hit = E * (1.0 - (1.0 - k / E) ** batch)
+        rows = batch * k
+        tm = row_tile(rows)
+        reads = min(E * (1.0 - (1.0 - k / E) ** batch) + (-(-rows // tm) - 1), rows)
         experts = sum(tree_bytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
-        weights -= experts * (1.0 - hit / E)
+        weights -= experts * (1.0 - reads / E)
     item = resolve_kv_dtype(kv_dtype).itemsize
     kv = 0.0
     for s in cfg.layers:
@@ -564,8 +569,9 @@ def analyze(req: AotRequest, log=None) -> AotResult:
         kv_bytes_per_token_ours=kv_bytes_per_token_ours(cfg, req.max_model_len, req.max_num_batched_tokens,
                                                         req.page_size, req.kv_dtype),
         kv_bytes_per_token_vllm=kv_bytes_per_token_vllm(cfg, req.kv_dtype),
-        matmul_impl="dense XLA (bf16)" if req.quant == "none" else
-        "gemmajax.quant 'auto': Pallas int8/int4 kernels when lowered for TPU")
+        matmul_impl="dense XLA (bf16)" + ("; experts: ragged_dot" if cfg.enable_moe else "") if req.quant == "none"
+        else "gemmajax.quant 'auto': Pallas int8/int4 kernels when lowered for TPU"
+        + ("; experts: the grouped matmul kernel (gmm), routed experts only" if cfg.enable_moe else ""))
     res.projection = project(cfg, w_plain, chip, req.proj_context or req.max_model_len, req.kv_dtype)
     chunk = req.max_num_batched_tokens
     plan_kw = dict(max_model_len=req.max_model_len, chunk=chunk, page_size=req.page_size, kv_dtype=req.kv_dtype)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemmajax.config import ModelConfig, LayerSpec
-from gemmajax.quant import linear, take_rows
+from gemmajax.quant import gmm, linear, take_rows
 
 Array = jax.Array
 f32 = jnp.float32
@@ -255,7 +255,9 @@ def mlp_block(mw: MLPWeights, h: Array) -> Array:
 def moe_block(cfg: ModelConfig, mw: MoEWeights, res: Array) -> Array:
     """26B-A4B experts branch on the raw residual res: [B, T, D] -> [B, T, D] (before post_norm_2).
 
-    Tokens are sorted by expert and run through `jax.lax.ragged_dot`, so only the top-k experts' FLOPs are spent."""
+    Each token's top-k copies are sorted by expert and run through `quant.gmm` (the grouped expert matmul): only
+    the routed experts are read and multiplied, quantized stacks in place (the Pallas kernel on TPU), plain ones
+    through ragged_dot (TPU / GPU) or the per-expert loop (CPU); no stack is dequantized or copied."""
     B, T, D = res.shape
     E, k, F = cfg.num_experts, cfg.top_k_experts, cfg.moe_dim
     x = res.reshape(B * T, D)
@@ -272,24 +274,14 @@ def moe_block(cfg: ModelConfig, mw: MoEWeights, res: Array) -> Array:
     order = jnp.argsort(flat_e)
     tok = order // k
     xs = xe[tok]                                                                # [BT*k, D]
-    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    gate_up = _as_dense(mw.gate_up_proj, x.dtype)                    # [E, 2F, D]
-    down = _as_dense(mw.down_proj, x.dtype)                          # [E, D, F]
-    gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes)            # [BT*k, 2F]
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)                  # [E] rows per expert
+    gu = gmm(xs, mw.gate_up_proj, sizes)                                        # [BT*k, 2F]; experts [E, 2F, D]
     hmid = gelu_tanh(gu[:, :F]) * gu[:, F:]
-    y = jax.lax.ragged_dot(hmid, jnp.swapaxes(down, 1, 2), sizes)              # [BT*k, D]
+    y = gmm(hmid, mw.down_proj, sizes)                                          # [BT*k, D]; experts [E, D, F]
     wt = top_w.reshape(-1)[order]
     y = (y.astype(f32) * wt[:, None]).astype(x.dtype)
     out = jnp.zeros_like(x).at[tok].add(y)
     return out.reshape(B, T, D)
-
-
-def _as_dense(w: Any, dtype) -> Array:
-    """A plain array as is; a QuantArray dequantized (expert stacks go through ragged_dot, which takes arrays)."""
-    if isinstance(w, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-        return w
-    from gemmajax.quant import dequantize
-    return dequantize(w, dtype)
 
 
 def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, x: Array, cos: Array, sin: Array,
