@@ -54,9 +54,18 @@ class LLM:
                  max_model_len: int = 8192, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  page_size: int = 32, kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  attn_impl: str = "auto", seed: int = 0, tokenizer=None, speculative_config: dict | None = None,
-                 token_buckets: tuple[int, ...] | None = None, seq_buckets: tuple[int, ...] | None = None):
+                 token_buckets: tuple[int, ...] | None = None, seq_buckets: tuple[int, ...] | None = None,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
         """token_buckets / seq_buckets: the step shapes compiled for (EngineConfig's; default: the engine's
-        ladders). Fewer buckets, fewer compiles: tests pin them."""
+        ladders). Fewer buckets, fewer compiles: tests pin them.
+
+        tensor_parallel_size N > 1: the weights are split over the first N devices (gemmajax/parallel.py: heads,
+        MLP columns / rows, vocabulary) and the KV pages by KV head; kv_cache_memory is then per device.
+        enable_expert_parallel: a MoE model's experts are split over those devices (whole experts each) instead
+        of along their MLP width. Across hosts, call `gemmajax.parallel.init_distributed` first; every process
+        then builds the same LLM and makes the same generate calls."""
+        import jax
+
         from gemmajax.model.loader import load_model
         from gemmajax.tools.tokenizer import load_tokenizer
         _enable_compilation_cache()
@@ -70,11 +79,21 @@ class LLM:
         cfg = self.model.config
         if kv_cache_memory is None:
             kv_cache_memory = _default_kv_memory()
+        # ---- tensor / expert parallelism (gemmajax/parallel.py): place the weights, size the cache per device
+        self.plan = _shard_plan(cfg, tensor_parallel_size, enable_expert_parallel, speculative_config)
+        if self.plan is not None:
+            self.model.weights = self.plan.place(self.model.weights)
+            mm_weights = None if mm_weights is None else self.plan.replicate(mm_weights)
+            kv_cache_memory = int(kv_cache_memory / self.plan.kv_device_fraction())
+        if jax.process_count() > 1:            # every host must plan the same cache (the same programs)
+            from gemmajax.parallel import agree_min
+            kv_cache_memory = agree_min(kv_cache_memory)
         self.engine = LLMEngine(cfg, self.model.weights, self.tokenizer, EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size, kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, seed=seed,
-            speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets),
+            speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets,
+            parallel=self.plan),
             multimodal=None if self.mm_config is None else (self.mm_config, mm_weights))
         self._ids = itertools.count()
         self._template = None
@@ -224,6 +243,26 @@ class LLM:
             outs[0].outputs = outs
             results.append(outs[0])
         return results
+
+
+def _shard_plan(cfg, tensor_parallel_size: int, enable_expert_parallel: bool, speculative_config):
+    """The ShardPlan for LLM(tensor_parallel_size=..., enable_expert_parallel=...), or None on one device."""
+    import logging
+    if int(tensor_parallel_size) < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if enable_expert_parallel and not cfg.enable_moe:
+        raise ValueError(f"enable_expert_parallel=True: model {cfg.name or cfg.model_type} has no experts "
+                         f"(num_experts=0); drop the flag")
+    if int(tensor_parallel_size) == 1:
+        if enable_expert_parallel:
+            logging.getLogger(__name__).info("enable_expert_parallel with tensor_parallel_size=1: one device holds "
+                                             "every expert; nothing to split")
+        return None
+    if speculative_config and "model" in speculative_config:
+        raise ValueError("speculative_config with a draft model is not supported with tensor_parallel_size > 1 "
+                         "(the drafter is not sharded); use {'method': 'ngram', ...} or tensor_parallel_size=1")
+    from gemmajax.parallel import ShardPlan
+    return ShardPlan.create(cfg, int(tensor_parallel_size), bool(enable_expert_parallel))
 
 
 def _load_towers(ckpt, dtype: str, quant: str):

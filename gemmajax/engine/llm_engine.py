@@ -69,6 +69,7 @@ class EngineConfig:
     async_scheduling: bool = True                  # dispatch decode step N+1 before reading step N's tokens
     seq_buckets: tuple[int, ...] | None = None     # step sequence counts compiled for (default: powers of 2)
     speculative: SpecConfig | None = None          # speculative decoding (engine/spec_decode.py)
+    parallel: Any = None                           # gemmajax.parallel.ShardPlan: caches split on its mesh (LLM)
 
 
 @dataclass
@@ -145,7 +146,8 @@ class LLMEngine:
         self.spec = RunnerSpec(cfg, groups, config.page_size, num_pages, math.ceil(max_len / config.page_size),
                                config.kv_dtype, attn_impl=config.attn_impl,
                                bits=jax.default_backend() == "cpu" and config.attn_impl in ("auto", "ref"),
-                               block_mode="all" if self.mm_config is not None and self.mm_config.unified else "sliding")
+                               block_mode="all" if self.mm_config is not None and self.mm_config.unified else "sliding",
+                               plan=config.parallel)
         spec_cfg = SpecConfig.parse(config.speculative)
         self.drafter = None
         if spec_cfg is not None and spec_cfg.method == "draft_model":

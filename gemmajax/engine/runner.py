@@ -11,6 +11,9 @@ Design choices:
 - KV page arrays are donated to the step, so their update happens in place.
 - A batch whose every row is plain greedy runs `model_step_greedy`: the sampler's argmax inside the step, so the
   [S, V] logits never leave it (no float32 copy, no log-sum-exp, no second dispatch).
+- Tensor parallelism (`RunnerSpec.plan`, a gemmajax.parallel.ShardPlan): caches are allocated split by KV head,
+  the step keeps their sharding (so donation still aliases) and returns replicated tokens / logits, and each
+  layer's attention runs per shard under shard_map (the Pallas kernel cannot be partitioned by GSPMD).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from gemmajax.config import FULL, SLIDING, ModelConfig
 from gemmajax.engine.sampler import _argmax as greedy_argmax  # the sampler's own greedy rule: same tokens
@@ -30,6 +34,7 @@ from gemmajax.kv.attention import RaggedMeta, ragged_paged_attention
 from gemmajax.kv.layout import KVLayout
 from gemmajax.model import gemma
 from gemmajax.model.gemma import pytree_dataclass
+from gemmajax.parallel import AXIS
 
 f32 = jnp.float32
 
@@ -67,6 +72,8 @@ class RunnerSpec:
     # Which layers see a token's whole image block: "sliding" (Gemma 4's generate: sliding layers, the window
     # still applies) or "all" (the 12B's: every layer, past the window). Only steps with image blocks use it.
     block_mode: str = "sliding"
+    # Tensor / expert parallelism: a gemmajax.parallel.ShardPlan (its mesh, and how pages split), or None (one device)
+    plan: Any = None
 
     def group_of(self, layer_index: int) -> int:
         return self.groups.index(self.cfg.layers[layer_index].kind)
@@ -78,6 +85,20 @@ class RunnerSpec:
             out.append(KVLayout(page_size=self.page_size, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                                 dtype=self.kv_dtype, bits=self.bits))
         return out
+
+    def stored_layouts(self) -> list[KVLayout]:
+        """The layouts of the page arrays as allocated: `layouts()` with each KV head stored `plan.kv_repeat(K)`
+        times (tensor parallelism with fewer KV heads than devices; the same as `layouts()` otherwise)."""
+        if self.plan is None:
+            return self.layouts()
+        return [dataclasses.replace(lay, num_kv_heads=lay.num_kv_heads * self.plan.kv_repeat(lay.num_kv_heads))
+                for lay in self.layouts()]
+
+    def kv_shardings(self) -> tuple | None:
+        """Per KV-owning layer, the sharding of its pages (None without a plan)."""
+        if self.plan is None:
+            return None
+        return tuple(self.plan.kv_sharding(self.cfg.layers[li].num_kv_heads) for li in self.cfg.kv_layers)
 
     def page_bytes(self) -> list[int]:
         """Bytes of one page in each group (summed over the group's KV-owning layers)."""
@@ -117,13 +138,20 @@ def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len
 
 
 def alloc_caches(spec: RunnerSpec) -> tuple:
-    return tuple(lay.alloc_pages(spec.num_pages[spec.group_of(li)])
-                 for li, lay in zip(spec.cfg.kv_layers, spec.layouts()))
+    """Zeroed page arrays, one per KV-owning layer; with a plan, created in place on its mesh (split by KV head:
+    no device ever holds more than its share)."""
+    if spec.plan is None:
+        return tuple(lay.alloc_pages(spec.num_pages[spec.group_of(li)])
+                     for li, lay in zip(spec.cfg.kv_layers, spec.layouts()))
+    return tuple(jax.jit(functools.partial(lay.alloc_pages, spec.num_pages[spec.group_of(li)]), out_shardings=sh)()
+                 for li, lay, sh in zip(spec.cfg.kv_layers, spec.stored_layouts(), spec.kv_shardings()))
 
 
 def abstract_caches(spec: RunnerSpec, sharding=None) -> tuple:
-    return tuple(lay.abstract(spec.num_pages[spec.group_of(li)], sharding)
-                 for li, lay in zip(spec.cfg.kv_layers, spec.layouts()))
+    """Shapes only. sharding: one sharding for every layer, or None (with a plan: each layer's own)."""
+    shs = spec.kv_shardings() if sharding is None and spec.plan is not None else (sharding,) * len(spec.cfg.kv_layers)
+    return tuple(lay.abstract(spec.num_pages[spec.group_of(li)], sh)
+                 for li, lay, sh in zip(spec.cfg.kv_layers, spec.stored_layouts(), shs))
 
 
 def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs, *, greedy: bool = False,
@@ -148,7 +176,6 @@ def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: 
 def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
     """The decoder part of `model_step`: (final-normed hidden [S, D] of each sequence's last token, kv)."""
     cfg = spec.cfg
-    impl = spec.attn_impl
 
     def make_attend(metas, blocks=None):
         def attend(lspec, q, k, v, pages):
@@ -156,10 +183,8 @@ def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepI
             if blocks is not None and (spec.block_mode == "all" or lspec.window is not None):   # image blocks
                 meta = dataclasses.replace(meta, block_lo=blocks[0], block_hi=blocks[1],
                                            block_in_window=spec.block_mode != "all")
-            out, pages = ragged_paged_attention(
-                q[0], None if k is None else k[0], None if v is None else v[0], pages, meta,
-                sm_scale=cfg.attn_scale, sliding_window=lspec.window, soft_cap=cfg.attn_logit_softcap,
-                k_scale=spec.k_scale, v_scale=spec.v_scale, impl=impl, kv_dtype=spec.kv_dtype)
+            out, pages = _attention(spec, lspec, q[0], None if k is None else k[0], None if v is None else v[0],
+                                    pages, meta)
             return out[None], pages
         return attend
 
@@ -175,6 +200,34 @@ def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepI
                           shared_band=shared_band if has_shared else None, soft_tokens=soft)
     h = h[0] if has_shared else h[0, inp.logits_indices]      # [S, D]
     return h, kv
+
+
+def _attention(spec: RunnerSpec, lspec, q, k, v, pages, meta):
+    """One layer's ragged paged attention. q [T, N, H]; k, v [T, K, H] or None (KV-shared layer); pages
+    [P, 2K', page_size, H]. With a plan that splits the layer's pages, K/V are repeated to the stored K' heads and
+    the call runs per shard (local heads, local pages: no gather, and the Pallas kernel sees plain arrays)."""
+    cfg = spec.cfg
+    kw = {"sm_scale": cfg.attn_scale, "sliding_window": lspec.window, "soft_cap": cfg.attn_logit_softcap,
+          "k_scale": spec.k_scale, "v_scale": spec.v_scale, "impl": spec.attn_impl, "kv_dtype": spec.kv_dtype}
+
+    def call(q, k, v, pages, meta):
+        return ragged_paged_attention(q, k, v, pages, meta, **kw)
+
+    plan = spec.plan
+    if plan is None:
+        return call(q, k, v, pages, meta)
+    num_kv = cfg.layers[lspec.kv_source].num_kv_heads
+    r = plan.kv_repeat(num_kv)
+    if k is not None and r > 1:     # head j stored as heads j*r .. j*r + r - 1: query head n still reads n // (N/K)
+        k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
+    if not plan.kv_pages_split(num_kv):
+        return call(q, k, v, pages, meta)
+    heads, pg = P(None, AXIS, None), P(None, AXIS, None, None)
+    if k is None:
+        return jax.shard_map(lambda q, pages, meta: call(q, None, None, pages, meta), mesh=plan.mesh,
+                             in_specs=(heads, pg, P()), out_specs=(heads, pg), check_vma=False)(q, pages, meta)
+    return jax.shard_map(call, mesh=plan.mesh, in_specs=(heads, heads, heads, pg, P()), out_specs=(heads, pg),
+                         check_vma=False)(q, k, v, pages, meta)
 
 
 # ---------------------------------------------------------------------------- host-side batch building
@@ -270,7 +323,13 @@ def compiled_step(spec: RunnerSpec, greedy: bool = False, hidden: bool = False):
 
     def step(weights, kv, inp):
         return model_step(weights, spec, kv, inp, greedy=greedy, hidden=hidden)
-    return jax.jit(step, donate_argnums=(1,))
+    if spec.plan is None:
+        return jax.jit(step, donate_argnums=(1,))
+    # Inputs replicated (numpy or a lookahead step's device tokens: one program for both), pages kept where they are
+    # (so donation aliases), tokens / logits replicated (the host reads them; every process holds them).
+    rep = spec.plan.replicated
+    return jax.jit(step, donate_argnums=(1,), in_shardings=(None, spec.kv_shardings(), rep),
+                   out_shardings=(rep, spec.kv_shardings()))
 
 
 class ModelRunner:
