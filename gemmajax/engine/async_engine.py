@@ -53,13 +53,10 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ construction from the CLI
     @classmethod
     def from_args(cls, args) -> "AsyncEngineClient":
-        from gemmajax.engine.llm import LLM
-        kv_mem = getattr(args, "kv_cache_memory", None)
-        llm = LLM(args.ckpt, quant=args.quant, kv_dtype=args.kv_dtype, dtype=getattr(args, "dtype", "bfloat16"),
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens or 512,
-                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True), kv_cache_memory=kv_mem,
-                  speculative_config=getattr(args, "speculative_config", None))
+        llm = _llm_from_args(args)
+        if getattr(args, "num_hosts", 1) > 1:   # host 0: broadcast every step to the other hosts
+            from gemmajax.engine.multihost import lead
+            lead(llm.engine)
         if getattr(args, "precompile", False):
             shapes = len(llm.engine.step_shapes())
             logger.info("precompiled %d step shapes in %.0f s", shapes, llm.engine.precompile())
@@ -181,6 +178,32 @@ class AsyncEngineClient:
                 continue
             for o in outs:
                 self._deliver(o.request_id, o)
+
+
+def _llm_from_args(args):
+    """The LLM of `gemmajax serve`'s flags (joining the multi-host run first when --num-hosts > 1)."""
+    from gemmajax.engine.llm import LLM
+    if getattr(args, "num_hosts", 1) > 1:
+        from gemmajax.parallel import init_distributed
+        init_distributed(args.coordinator, args.num_hosts, args.host_index)
+    return LLM(args.ckpt, quant=args.quant, kv_dtype=args.kv_dtype, dtype=getattr(args, "dtype", "bfloat16"),
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens or 512,
+               enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+               kv_cache_memory=getattr(args, "kv_cache_memory", None),
+               speculative_config=getattr(args, "speculative_config", None),
+               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+               enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
+
+
+def follow_from_args(args) -> int:
+    """`gemmajax serve --num-hosts N --host-index i` for i > 0: build the same LLM, then run host 0's steps until
+    it stops (engine/multihost.py). Returns the exit status."""
+    from gemmajax.engine.multihost import follow
+    llm = _llm_from_args(args)
+    steps = follow(llm.engine.runner)
+    logger.info("host %d: host 0 stopped after %d steps", args.host_index, steps)
+    return 0
 
 
 def _model_name(ckpt: str) -> str:

@@ -96,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "URLs always work)")
     p.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
                    help='most media per prompt, e.g. \'{"image": 4, "audio": 1}\'')
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="split the model over this many devices (heads, MLP, vocabulary; KV pages by KV head); "
+                        "across hosts, every device of every host")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts over the tensor-parallel devices (whole experts each)")
+    p.add_argument("--num-hosts", type=_positive, default=1,
+                   help="hosts of a multi-host run; start the same command on each with its --host-index")
+    p.add_argument("--host-index", type=_nonnegative, default=0,
+                   help="this host's index (0 serves HTTP and schedules; the others run its steps)")
+    p.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of host 0's jax.distributed coordinator (required with --num-hosts > 1)")
     p.add_argument("--precompile", action="store_true",
                    help="compile every step shape before serving, so no request waits for a compile (minutes on a "
                         "CPU; the persistent compilation cache makes restarts fast)")
@@ -173,6 +184,14 @@ def _serve(args: argparse.Namespace) -> int:
     from gemmajax.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_hosts > 1 and (args.host_index >= args.num_hosts or not args.coordinator):
+        print(f"gemmajax serve: --num-hosts {args.num_hosts} needs --coordinator HOST:PORT and --host-index in "
+              f"[0, {args.num_hosts}); got --host-index {args.host_index}, --coordinator {args.coordinator}",
+              file=sys.stderr)
+        return EXIT_NOT_AVAILABLE
+    if args.num_hosts > 1 and args.host_index > 0:   # no HTTP here: run host 0's steps until it stops
+        from gemmajax.engine.async_engine import follow_from_args
+        return follow_from_args(args)
     engine = AsyncEngineClient.from_args(args)
     domains = [d for d in (args.allowed_media_domains or "").split(",") if d.strip()]
     if domains:
