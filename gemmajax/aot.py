@@ -58,6 +58,16 @@ EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNSUPPORTED, EXIT_COMPILE_ERROR = 0, 1, 2, 3
 # The programs `analyze` can compile (see `programs`): the largest all-decode step and the largest mixed step, each
 # as the engine's greedy variant (tokens out) and its logits variant.
 STEPS = ("decode", "decode-greedy", "prefill", "prefill-greedy")
+# Slices `--topology` takes (chips along x by y): one chip, or tensor parallelism over every chip of the slice.
+TOPOLOGIES = ("1x1", "2x2", "2x4")
+
+
+def topology_chips(topology: str) -> int:
+    """Chips in a supported topology string ("2x4" -> 8); ValueError naming the accepted ones otherwise."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology {topology!r} is not supported; expected one of {list(TOPOLOGIES)} (chips along "
+                         f"x by y: one chip, or tensor parallelism over a 4- or 8-chip slice)")
+    return math.prod(int(x) for x in topology.split("x"))
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,8 @@ class AotRequest:
 
     cfg: ModelConfig
     chip: str = "v5e"
-    topology: str = "1x1"
+    topology: str = "1x1"               # TOPOLOGIES; tensor parallel size = its number of chips
+    expert_parallel: bool = False        # MoE expert stacks split on E across the chips (else along their width)
     quant: str = "none"
     kv_dtype: str = "auto"               # "auto" = the model's dtype, as the engine
     max_model_len: int = 8192
@@ -108,13 +119,14 @@ class AotRequest:
 
 @dataclass
 class StepCompile:
-    """One deviceless compile of the serving step: its shape and what the compiler reported (bytes)."""
+    """One deviceless compile of the serving step: its shape and what the compiler reported (bytes per chip: on a
+    slice the program is the one SPMD partition every chip runs)."""
 
     step: str                 # one of STEPS
     tokens: int               # T (bucketed)
     seqs: int                 # S (bucketed)
     kv_pages: tuple[int, ...]  # pages per KV group in this compile
-    kv_bytes: int
+    kv_bytes: int             # KV pages one chip holds (all of them on 1x1)
     decode_only: bool = False  # the metas' decode_only flag (the attention's all-decode form)
     greedy: bool = False      # the greedy variant (tokens [S] out) rather than logits [S, V]
     argument_bytes: int = 0
@@ -145,7 +157,9 @@ class StepCompile:
 
 @dataclass
 class Projection:
-    """Roofline projection of decode speed (NOT a measurement): tokens/s = HBM bandwidth / bytes read per step."""
+    """Roofline projection of decode speed (NOT a measurement): tokens/s = HBM bandwidth / bytes read per step.
+    On a slice every figure is one chip's (the chips read their shards in parallel; the interconnect is not
+    counted)."""
 
     context: int
     bytes_1: float            # bytes read by one decode step with 1 sequence
@@ -173,14 +187,20 @@ class AotResult:
     hbm_limit: int
     bandwidth: float
     margin_bytes: int
-    weight_bytes: int
+    weight_bytes: int                # the whole model (every chip's share together, replicated leaves once)
     weight_breakdown: dict[str, int]
+    num_chips: int = 1               # = tensor parallel size
+    expert_parallel: bool = False
+    weight_bytes_per_chip: int = 0   # what one chip holds: split leaves' shards + replicated leaves whole
+    weight_breakdown_per_chip: dict[str, int] = field(default_factory=dict)
+    replicated_bytes_per_chip: int = 0   # of which leaves every chip holds whole (norms, unsplittable leaves)
     fits: bool = False
     reason: str = ""
     attn_impl: str = ""
     matmul_impl: str = ""
-    kv_budget_bytes: int = 0
-    kv_cache_bytes: int = 0
+    kv_budget_bytes: int = 0         # per chip
+    kv_cache_bytes: int = 0          # the logical cache (every KV head once)
+    kv_cache_bytes_per_chip: int = 0  # what one chip holds of it (KV heads split; repeated where fewer than chips)
     kv_pages: dict[str, int] = field(default_factory=dict)
     kv_tokens: int = 0              # full-attention context tokens across sequences the cache holds (see count_note)
     kv_seqs_at_max_len: float = 0.0  # sequences of max_model_len the cache holds at once
@@ -195,6 +215,7 @@ class AotResult:
 
     @property
     def temp_bytes(self) -> dict[str, int]:
+        """Per step: the compiled program's temporaries on one chip."""
         return {c.step: c.temp_bytes for c in self.compiles if c.ok}
 
     def to_json(self) -> dict:
@@ -251,12 +272,23 @@ def tree_bytes(tree: Any) -> int:
     return sum(_nbytes(a) for a in jax.tree.leaves(tree))
 
 
-def weight_breakdown(w: gemma.Weights) -> dict[str, int]:
-    """Bytes by part: embedding (= tied LM head), per-layer embeddings, MoE experts, everything else."""
-    total = tree_bytes(w)
-    embed = tree_bytes(w.embed)
-    ple = tree_bytes(w.ple_table) if w.ple_table is not None else 0
-    experts = sum(tree_bytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
+def chip_bytes(tree: Any) -> int:
+    """Bytes of a (possibly abstract) pytree's leaves that one chip holds: each leaf's shard shape under its
+    sharding (the whole leaf when it has none or is replicated). Even splits only, so every chip holds the same."""
+    def one(a) -> int:
+        sh = getattr(a, "sharding", None)
+        shape = tuple(a.shape) if sh is None else tuple(sh.shard_shape(tuple(a.shape)))
+        return int(math.prod(shape)) * jnp.dtype(a.dtype).itemsize
+    return sum(one(a) for a in jax.tree.leaves(tree))
+
+
+def weight_breakdown(w: gemma.Weights, nbytes=tree_bytes) -> dict[str, int]:
+    """Bytes by part: embedding (= tied LM head), per-layer embeddings, MoE experts, everything else. nbytes:
+    tree_bytes (the whole model) or chip_bytes (one chip's share of a sharded abstract tree)."""
+    total = nbytes(w)
+    embed = nbytes(w.embed)
+    ple = nbytes(w.ple_table) if w.ple_table is not None else 0
+    experts = sum(nbytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
     return {"embedding": embed, "per_layer_embedding": ple, "experts": experts,
             "other": total - embed - ple - experts, "total": total}
 
@@ -265,9 +297,23 @@ def weight_breakdown(w: gemma.Weights) -> dict[str, int]:
 # KV accounting
 # ---------------------------------------------------------------------------------------------------------------
 
-def _probe_spec(cfg: ModelConfig, page_size: int, kv_dtype: str) -> RunnerSpec:
+def _probe_spec(cfg: ModelConfig, page_size: int, kv_dtype: str, plan: Any = None) -> RunnerSpec:
     groups = kv_groups(cfg)
-    return RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype)
+    return RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype, plan=plan)
+
+
+def chip_page_bytes(spec: RunnerSpec) -> list[int]:
+    """Bytes of one page in each group that one chip holds: `spec.page_bytes()` without a plan; with one, each
+    layer's stored page (KV heads repeated `kv_repeat` times) divided over the chips when its pages split, whole
+    when they do not (replicated)."""
+    plan = spec.plan
+    if plan is None:
+        return spec.page_bytes()
+    per = [0] * len(spec.groups)
+    for li, lay in zip(spec.cfg.kv_layers, spec.stored_layouts()):
+        k = spec.cfg.layers[li].num_kv_heads
+        per[spec.group_of(li)] += lay.bytes_per_page() // (plan.size if plan.kv_pages_split(k) else 1)
+    return per
 
 
 def sliding_span(cfg: ModelConfig, max_model_len: int, chunk: int) -> int:
@@ -288,10 +334,11 @@ class KVPlan:
 
     groups: tuple[str, ...]
     num_pages: tuple[int, ...]
-    page_bytes: tuple[int, ...]
+    page_bytes: tuple[int, ...]   # per chip (a page's share one chip holds; the whole page on one chip)
     seqs_at_max_len: float    # max_model_len-long sequences the pages hold at once (fractional)
     tokens: int               # context tokens the pages hold when filled with max_model_len-long sequences
-    minimum_bytes: int        # the null pages plus one max_model_len-long sequence
+    minimum_bytes: int        # per chip: the null pages plus one max_model_len-long sequence
+    logical_page_bytes: tuple[int, ...] = ()  # every KV head once (= page_bytes on one chip)
 
     @property
     def fits(self) -> bool:
@@ -299,11 +346,17 @@ class KVPlan:
 
     @property
     def cache_bytes(self) -> int:
+        """Bytes of pages one chip holds."""
         return sum(n * b for n, b in zip(self.num_pages, self.page_bytes))
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes of the cache with every KV head once (what the tokens cost, whatever the split)."""
+        return sum(n * b for n, b in zip(self.num_pages, self.logical_page_bytes or self.page_bytes))
 
 
 def plan_kv(cfg: ModelConfig, budget: int, *, max_model_len: int, chunk: int, page_size: int, kv_dtype: str,
-            seqs: float | None = None) -> KVPlan:
+            seqs: float | None = None, plan: Any = None) -> KVPlan:
     """Spend `budget` bytes on KV pages the way the engine does (engine.runner.plan_pages), without its cap.
 
     A max_model_len-long sequence holds ceil(span / page_size) + 1 pages per group, where the span is the whole
@@ -312,16 +365,18 @@ def plan_kv(cfg: ModelConfig, budget: int, *, max_model_len: int, chunk: int, pa
     sequence) pages (plan_pages' proportion, not capped at max_num_seqs). Counting: KV tokens = n x max_model_len,
     the context the cache holds when filled with max_model_len-long sequences; sequences shorter than window +
     chunk pay for every token in the sliding layers too (as vLLM-TPU's layout does). `seqs` fixes n instead.
+    plan (a gemmajax.parallel.ShardPlan): `budget` is one chip's, and pages cost what one chip holds of them
+    (`chip_page_bytes`).
     """
-    spec = _probe_spec(cfg, page_size, kv_dtype)
-    groups, per_page = spec.groups, tuple(spec.page_bytes())
+    spec = _probe_spec(cfg, page_size, kv_dtype, plan)
+    groups, per_page = spec.groups, tuple(chip_page_bytes(spec))
     pps = [pages_per_seq(cfg, g, max_model_len, chunk, page_size) for g in groups]
     per_seq = sum(n * b for n, b in zip(pps, per_page))
     null = sum(per_page)
     n = seqs if seqs is not None else max(0.0, (budget - null) / per_seq)
     pages = tuple(max(2, 1 + math.floor(n * k)) for k in pps)
     held = min((p - 1) / k for p, k in zip(pages, pps))
-    return KVPlan(groups, pages, per_page, held, int(held * max_model_len), null + per_seq)
+    return KVPlan(groups, pages, per_page, held, int(held * max_model_len), null + per_seq, tuple(spec.page_bytes()))
 
 
 def kv_bytes_per_token_ours(cfg: ModelConfig, max_model_len: int, chunk: int, page_size: int, kv_dtype: str) -> float:
@@ -344,7 +399,7 @@ def kv_bytes_per_token_vllm(cfg: ModelConfig, kv_dtype: str) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 def decode_bytes_read(cfg: ModelConfig, w: gemma.Weights, batch: int, context: int,
-                      kv_dtype: str) -> tuple[float, float]:
+                      kv_dtype: str, plan: Any = None) -> tuple[float, float]:
     """Bytes one decode step reads from HBM for `batch` sequences at `context` tokens each.
 
     Weights: every leaf once, except the per-layer-embedding table (only the `batch` gathered rows) and the
@@ -354,34 +409,51 @@ def decode_bytes_read(cfg: ModelConfig, w: gemma.Weights, batch: int, context: i
     boundary (an expert whose rows straddle two tiles is fetched for each; none up to 128 rows, i.e. 16 streams of
     top-8). KV: every layer (KV-shared layers included: they read their source's pages) reads min(context, window)
     tokens of K and V. Returns (weight bytes, KV bytes per sequence).
-    """
-    def row_bytes(t) -> float:
-        return tree_bytes(t) / t.shape[0]
 
-    weights = float(tree_bytes(w))
+    plan (a ShardPlan; `w` then carries its shardings): one chip's reads. Its shard of every leaf; of the split
+    vocabulary tables the gathered rows it holds (batch / chips on average); its share of the routed experts (the
+    same fraction of its expert bytes); its stored KV heads (`kv_repeat` copies / chips when a layer splits).
+    """
+    nbytes = tree_bytes if plan is None else chip_bytes
+
+    def row_bytes(t) -> float:
+        return nbytes(t) / t.shape[0]
+
+    weights = float(nbytes(w))
     if w.ple_table is not None:
-        weights -= tree_bytes(w.ple_table) - batch * row_bytes(w.ple_table)
+        weights -= nbytes(w.ple_table) - batch * row_bytes(w.ple_table)
     weights += batch * row_bytes(w.embed)
     if cfg.enable_moe:
         E, k = cfg.num_experts, cfg.top_k_experts
         rows = batch * k
         tm = row_tile(rows)
         reads = min(E * (1.0 - (1.0 - k / E) ** batch) + (-(-rows // tm) - 1), rows)
-        experts = sum(tree_bytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
+        experts = sum(nbytes((lw.moe.gate_up_proj, lw.moe.down_proj)) for lw in w.layers if lw.moe is not None)
         weights -= experts * (1.0 - reads / E)
     item = resolve_kv_dtype(kv_dtype).itemsize
     kv = 0.0
     for s in cfg.layers:
         src = cfg.layers[s.kv_source]
         toks = min(context, s.window) if s.window is not None else context
-        kv += toks * 2 * src.num_kv_heads * src.head_dim * item
+        kv += toks * 2 * chip_kv_heads(src.num_kv_heads, plan) * src.head_dim * item
     return weights, kv
 
 
-def project(cfg: ModelConfig, w: gemma.Weights, chip: Chip, context: int, kv_dtype: str) -> Projection:
-    """Decode tokens/s at 1 and 16 streams if the step were bound by HBM bandwidth alone (a projection)."""
-    w1, kv = decode_bytes_read(cfg, w, 1, context, kv_dtype)
-    w16, _ = decode_bytes_read(cfg, w, 16, context, kv_dtype)
+def chip_kv_heads(num_kv_heads: int, plan: Any = None) -> float:
+    """KV heads of a layer one chip stores: all of them on one chip; with a plan K x kv_repeat / chips when the
+    layer's pages split (one head per chip when K < chips), all K when they are replicated."""
+    if plan is None:
+        return float(num_kv_heads)
+    stored = num_kv_heads * plan.kv_repeat(num_kv_heads)
+    return stored / plan.size if plan.kv_pages_split(num_kv_heads) else float(stored)
+
+
+def project(cfg: ModelConfig, w: gemma.Weights, chip: Chip, context: int, kv_dtype: str,
+            plan: Any = None) -> Projection:
+    """Decode tokens/s at 1 and 16 streams if the step were bound by HBM bandwidth alone (a projection); with a
+    plan, by one chip's reads of its shards (`w` sharded by the plan), the interconnect not counted."""
+    w1, kv = decode_bytes_read(cfg, w, 1, context, kv_dtype, plan)
+    w16, _ = decode_bytes_read(cfg, w, 16, context, kv_dtype, plan)
     b1, b16 = w1 + kv, w16 + 16 * kv
     return Projection(context=context, bytes_1=b1, bytes_16=b16, tok_s_1=chip.bandwidth / b1,
                       tok_s_16=16 * chip.bandwidth / b16, weights_read=w1, kv_read_per_seq=kv)
@@ -391,6 +463,7 @@ def project(cfg: ModelConfig, w: gemma.Weights, chip: Chip, context: int, kv_dty
 # Deviceless compiles
 # ---------------------------------------------------------------------------------------------------------------
 
+_UNPARTITIONED = "cannot be automatically partitioned"   # a Pallas call GSPMD met outside a shard_map
 _OOM_RE = re.compile(r"\(([\d.]+)([KMGT]?)\)\s*exceeds available HBM\s*\(([\d.]+)([KMGT]?)\)")
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -412,30 +485,51 @@ class _DropKernelNoise(logging.Filter):
 
 @dataclass
 class Target:
-    """A TPU topology to compile for (no TPU needed)."""
+    """A TPU topology to compile for (no TPU needed). On a slice of several chips, `plan` is the engine's own
+    ShardPlan (gemmajax.parallel) over the topology's devices, tensor parallel size = the number of chips: the
+    weights are placed by its rules, the caches split by KV head, step inputs and outputs replicated."""
 
     chip: Chip
     topology: str
     devices: Any
-    sharding: Any
+    sharding: Any             # of step inputs (and of everything on one chip)
     mesh: Any
+    plan: Any = None          # gemmajax.parallel.ShardPlan on a slice, None on one chip
 
     @classmethod
-    def create(cls, chip: str, topology: str = "1x1") -> Target:
+    def create(cls, chip: str, topology: str = "1x1", cfg: ModelConfig | None = None,
+               expert_parallel: bool = False) -> Target:
+        """cfg is needed on a slice (the plan's rules depend on the model); expert_parallel: EP for MoE models."""
         from jax.experimental import topologies
+
+        from gemmajax.parallel import ShardPlan
 
         if chip not in CHIPS:
             raise ValueError(f"chip {chip!r} is not supported; expected one of {sorted(CHIPS)}")
-        if topology != "1x1":
-            raise ValueError(f"topology {topology!r}: only 1x1 (one chip) is supported; several chips would need "
-                             "the model sharded across them, which gemmajax does not do yet")
+        n = topology_chips(topology)
         topo = topologies.get_topology_desc(f"{chip}:{topology}", platform="tpu")
         devs = np.array(topo.devices)
-        return cls(CHIPS[chip], topology, devs, jax.sharding.SingleDeviceSharding(devs.flat[0]),
-                   jax.sharding.Mesh(devs.reshape(-1), ("x",)))
+        if devs.size != n:
+            raise ValueError(f"topology {chip}:{topology}: libtpu describes {devs.size} chips, expected {n}")
+        if n == 1:
+            return cls(CHIPS[chip], topology, devs, jax.sharding.SingleDeviceSharding(devs.flat[0]),
+                       jax.sharding.Mesh(devs.reshape(-1), ("x",)))
+        if cfg is None:
+            raise ValueError(f"topology {topology}: a slice of {n} chips needs the model config to plan the split")
+        plan = ShardPlan.create(cfg, n, expert_parallel=expert_parallel, devices=devs)
+        return cls(CHIPS[chip], topology, devs, plan.replicated, plan.mesh, plan)
+
+    @property
+    def num_chips(self) -> int:
+        return int(self.devices.size)
 
     def abstract(self, tree: Any) -> Any:
+        """`tree` as ShapeDtypeStructs on the target's input sharding (one chip, or replicated over the slice)."""
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding), tree)
+
+    def abstract_weights(self, w: Any) -> Any:
+        """A weight tree as ShapeDtypeStructs where the engine puts them: on the chip, or by the plan's rules."""
+        return self.abstract(w) if self.plan is None else self.plan.abstract(w)
 
 
 def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -479,10 +573,11 @@ def program_inputs(spec: RunnerSpec, prog: Program) -> StepInputs:
 def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, prog: Program) -> StepCompile:
     """Lower and compile the engine's own jitted step (`runner.compiled_step(spec, prog.greedy)`: caches donated)
     on padding inputs of prog's shape with its decode_only flag, as `LLMEngine.precompile` builds them, for the
-    target; never raises for an out-of-memory or lowering failure: they are recorded in the result."""
-    kv = abstract_caches(spec, target.sharding)
+    target; never raises for an out-of-memory or lowering failure: they are recorded in the result. On a slice
+    `spec.plan` is the target's plan: caches split as the engine allocates them, the figures one chip's."""
+    kv = abstract_caches(spec, None if spec.plan is not None else target.sharding)
     res = StepCompile(step=prog.step, tokens=prog.tokens, seqs=prog.seqs, kv_pages=tuple(spec.num_pages),
-                      kv_bytes=spec.cache_bytes(), decode_only=prog.decode_only, greedy=prog.greedy,
+                      kv_bytes=chip_bytes(kv), decode_only=prog.decode_only, greedy=prog.greedy,
                       attn_impl=spec.attn_impl)
     inp = target.abstract(program_inputs(spec, prog))
 
@@ -513,11 +608,11 @@ def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, prog:
     return res
 
 
-def _spec(req: AotRequest, num_pages: tuple[int, ...], attn_impl: str) -> RunnerSpec:
+def _spec(req: AotRequest, num_pages: tuple[int, ...], attn_impl: str, plan: Any = None) -> RunnerSpec:
     cfg = req.cfg
     return RunnerSpec(cfg, kv_groups(cfg), req.page_size, tuple(num_pages),
                       math.ceil(req.max_model_len / req.page_size),
-                      req.kv_dtype, attn_impl=attn_impl)
+                      req.kv_dtype, attn_impl=attn_impl, plan=plan)
 
 
 def _attn_impl(req: AotRequest) -> tuple[str, str | None]:
@@ -558,23 +653,39 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                          f"{req.max_num_batched_tokens}: a decode step of every sequence would not fit one step")
     req = dataclasses.replace(req, kv_dtype=resolve_auto(req.kv_dtype, req.dtype))
     chip = CHIPS[req.chip]
+    n_chips = topology_chips(req.topology)
+    if req.expert_parallel and not cfg.enable_moe:
+        raise ValueError(f"enable_expert_parallel: model {req.model_name} has no experts (num_experts=0); drop the "
+                         f"flag")
     w_plain = abstract_model_weights(cfg, req.quant, req.dtype)
     breakdown = weight_breakdown(w_plain)
+    # On a slice the plan (and so the libtpu topology) is needed before anything is decided: per-chip bytes.
+    target = Target.create(req.chip, req.topology, cfg, req.expert_parallel) if n_chips > 1 else None
+    tplan = None if target is None else target.plan
+    w_chip = w_plain if target is None else target.abstract_weights(w_plain)
     res = AotResult(
         model=req.model_name, chip=req.chip, topology=req.topology, quant=req.quant, kv_dtype=req.kv_dtype,
         max_model_len=req.max_model_len, max_num_seqs=req.max_num_seqs,
         max_num_batched_tokens=req.max_num_batched_tokens, page_size=req.page_size, hbm_bytes=chip.hbm_bytes,
         hbm_limit=chip.hbm_limit, bandwidth=chip.bandwidth, margin_bytes=req.margin_bytes,
-        weight_bytes=breakdown["total"], weight_breakdown=breakdown,
+        weight_bytes=breakdown["total"], weight_breakdown=breakdown, num_chips=n_chips,
+        expert_parallel=req.expert_parallel,
+        weight_breakdown_per_chip=breakdown if tplan is None else weight_breakdown(w_chip, chip_bytes),
         kv_bytes_per_token_ours=kv_bytes_per_token_ours(cfg, req.max_model_len, req.max_num_batched_tokens,
                                                         req.page_size, req.kv_dtype),
         kv_bytes_per_token_vllm=kv_bytes_per_token_vllm(cfg, req.kv_dtype),
         matmul_impl="dense XLA (bf16)" + ("; experts: ragged_dot" if cfg.enable_moe else "") if req.quant == "none"
         else "gemmajax.quant 'auto': Pallas int8/int4 kernels when lowered for TPU"
         + ("; experts: the grouped matmul kernel (gmm), routed experts only" if cfg.enable_moe else ""))
-    res.projection = project(cfg, w_plain, chip, req.proj_context or req.max_model_len, req.kv_dtype)
+    res.weight_bytes_per_chip = res.weight_breakdown_per_chip["total"]
+    res.replicated_bytes_per_chip = (res.weight_bytes if tplan is None else
+                                     sum(_nbytes(a) for a in jax.tree.leaves(w_chip) if a.sharding.is_fully_replicated))
+    if req.expert_parallel and tplan is None:
+        res.notes.append("enable_expert_parallel has no effect on one chip")
+    res.projection = project(cfg, w_chip, chip, req.proj_context or req.max_model_len, req.kv_dtype, tplan)
     chunk = req.max_num_batched_tokens
-    plan_kw = dict(max_model_len=req.max_model_len, chunk=chunk, page_size=req.page_size, kv_dtype=req.kv_dtype)
+    plan_kw = dict(max_model_len=req.max_model_len, chunk=chunk, page_size=req.page_size, kv_dtype=req.kv_dtype,
+                   plan=tplan)
     res.count_note = (f"KV tokens = context the cache holds filled with {req.max_model_len}-token sequences, each "
                       f"paying window + {chunk} tokens in sliding layers, its whole context in full layers, nothing "
                       f"in KV-shared layers (pages rounded up); vLLM-TPU-style = the same bytes / "
@@ -583,14 +694,23 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     # 1. The cheap check: weights alone, or weights with the smallest useful cache, exceed the chip.
     small_plan = plan_kv(cfg, 0, seqs=1, **plan_kw)
     minimum = small_plan.minimum_bytes
-    if res.weight_bytes + req.margin_bytes + minimum > chip.hbm_limit:
-        res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + margin {_g(req.margin_bytes)} + the KV of "
-                      f"one {req.max_model_len}-token sequence ({_g(minimum)}) exceed the {chip.name} compiler "
-                      f"limit of {_g(chip.hbm_limit)} (decided without compiling)")
+    if res.weight_bytes_per_chip + req.margin_bytes + minimum > chip.hbm_limit:
+        if tplan is None:
+            res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + margin {_g(req.margin_bytes)} + the KV "
+                          f"of one {req.max_model_len}-token sequence ({_g(minimum)}) exceed the {chip.name} "
+                          f"compiler limit of {_g(chip.hbm_limit)} (decided without compiling)")
+        else:
+            one_seq = plan_kv(cfg, 0, seqs=1, **dict(plan_kw, plan=None)).minimum_bytes
+            res.reason = (f"does not fit: per chip, weights {_g(res.weight_bytes_per_chip)} (of "
+                          f"{_g(res.weight_bytes)} over {n_chips} chips, {_g(res.replicated_bytes_per_chip)} of it "
+                          f"replicated) + margin {_g(req.margin_bytes)} + its share of the KV of one "
+                          f"{req.max_model_len}-token sequence ({_g(minimum)} of {_g(one_seq)}) exceed the "
+                          f"{chip.name} compiler limit of {_g(chip.hbm_limit)} per chip (decided without compiling)")
         return res
 
-    target = Target.create(req.chip, req.topology)
-    weights = target.abstract(w_plain)
+    if target is None:
+        target = Target.create(req.chip, req.topology)
+    weights = target.abstract_weights(w_plain)
     impl, why = _attn_impl(req)
     if why:
         res.notes.append(f"attention compiled with the jnp reference path (impl='ref'): {why}")
@@ -606,12 +726,17 @@ def analyze(req: AotRequest, log=None) -> AotResult:
         say(f"compiling {step} (T={prog.tokens}, S={prog.seqs}{', decode-only' if prog.decode_only else ''}, "
             f"{'tokens' if prog.greedy else 'logits'} out, attention {impl}, KV pages {pages}) for "
             f"{req.chip}:{req.topology}")
-        c = compile_step(target, weights, _spec(req, pages, impl), prog)
-        if c.error and impl == "pallas":
+        c = compile_step(target, weights, _spec(req, pages, impl, tplan), prog)
+        if c.error and _UNPARTITIONED in c.error and tplan is not None:
+            # attention already runs under shard_map on a slice: the kernel GSPMD met is a matmul's
+            c.error = (f"the quantized matmul Pallas kernels (gemmajax.quant, {req.quant}) are called on sharded "
+                       f"weights outside any shard_map, and Mosaic kernels cannot be partitioned by GSPMD: the "
+                       f"engine cannot run {req.quant} tensor-parallel on TPU yet (compiler: {c.error[:300]})")
+        elif c.error and impl == "pallas":
             res.notes.append(f"the Pallas attention kernel failed to compile ({c.error.splitlines()[0][:300]}); "
                              "fell back to the jnp reference path (impl='ref')")
             impl = "ref"
-            c = compile_step(target, weights, _spec(req, pages, impl), prog)
+            c = compile_step(target, weights, _spec(req, pages, impl, tplan), prog)
         say(f"  {'ok' if c.ok else 'OOM' if c.oom else 'error'} in {c.seconds:.0f} s"
             + (f": temporaries {_g(c.temp_bytes)}, peak {_g(c.peak_bytes)}" if c.ok else ""))
         return c
@@ -655,9 +780,10 @@ def analyze(req: AotRequest, log=None) -> AotResult:
         if not plan.fits:
             if req.probe or attempt > 0:  # measured overheads (or the compiler itself) leave no room
                 res.attn_impl = impl
-                res.reason = (f"does not fit: after weights and step overhead {_g(overhead)} and margin "
-                              f"{_g(req.margin_bytes)}, {_g(max(budget, 0))} is left for KV; one "
-                              f"{req.max_model_len}-token sequence needs {_g(plan.minimum_bytes)}")
+                per = "" if tplan is None else " per chip"
+                res.reason = (f"does not fit: after weights and step overhead {_g(overhead)}{per} and margin "
+                              f"{_g(req.margin_bytes)}, {_g(max(budget, 0))}{per} is left for KV; one "
+                              f"{req.max_model_len}-token sequence needs {_g(plan.minimum_bytes)}{per}")
                 return res
             plan, smallest = small_plan, True  # only a guess said no: let the compiler decide, smallest cache
         proved, proof = prove(order, plan.num_pages)
@@ -699,15 +825,22 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     if chip.hbm_limit - proof.peak_bytes < req.margin_bytes:
         res.notes.append(f"the compiled peak leaves {_g(chip.hbm_limit - proof.peak_bytes)} of the "
                          f"{_g(req.margin_bytes)} margin")
-    res.kv_cache_bytes = plan.cache_bytes
+    res.kv_cache_bytes = plan.logical_bytes
+    res.kv_cache_bytes_per_chip = plan.cache_bytes
     res.kv_pages = dict(zip(plan.groups, plan.num_pages))
     res.kv_tokens = plan.tokens
     res.kv_seqs_at_max_len = plan.seqs_at_max_len
     vllm_bpt = res.kv_bytes_per_token_vllm
-    res.kv_tokens_vllm_style = int(plan.cache_bytes // vllm_bpt) if vllm_bpt else 0
+    res.kv_tokens_vllm_style = int(plan.logical_bytes // vllm_bpt) if vllm_bpt else 0
     which = f"the {proof.step} step compiles" if len(order) == 1 else f"all {len(order)} steps compile"
-    res.reason = (f"fits: {which} for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} KV cache, peak "
-                  f"{_g(proof.peak_bytes)} of {_g(chip.hbm_limit)}")
+    if tplan is None:
+        res.reason = (f"fits: {which} for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} KV cache, peak "
+                      f"{_g(proof.peak_bytes)} of {_g(chip.hbm_limit)}")
+    else:
+        res.reason = (f"fits: {which} for {req.chip}:{req.topology} (tensor parallel {n_chips}"
+                      f"{', expert parallel' if req.expert_parallel else ''}) with a {_g(plan.logical_bytes)} KV "
+                      f"cache ({_g(plan.cache_bytes)} per chip), peak {_g(proof.peak_bytes)} per chip of "
+                      f"{_g(chip.hbm_limit)}")
     if req.probe and len(steps) > 1:
         other = [c.step for c in res.compiles if c.step != proof.step]
         res.notes.append(f"{', '.join(other)} need less HBM besides the cache than {proof.step} (same weights and "
@@ -738,21 +871,32 @@ def format_report(r: AotResult) -> str:
         f"  weights         {_g(r.weight_bytes)}  (embedding/LM head {_g(b['embedding'])}, per-layer embeddings "
         f"{_g(b['per_layer_embedding'])}, experts {_g(b['experts'])}, other {_g(b['other'])})",
     ]
+    slice_ = r.num_chips > 1
+    if slice_:
+        c = r.weight_breakdown_per_chip
+        lines[2:2] = [f"  sharding: tensor parallel {r.num_chips} over the {r.num_chips} chips of {r.chip}:"
+                      f"{r.topology}, expert parallel {'on' if r.expert_parallel else 'off'} (gemmajax.parallel "
+                      f"rules); every figure below marked 'per chip' is one chip's"]
+        lines.append(f"  weights/chip    {_g(r.weight_bytes_per_chip)}  (embedding/LM head {_g(c['embedding'])}, "
+                     f"per-layer embeddings {_g(c['per_layer_embedding'])}, experts {_g(c['experts'])}, other "
+                     f"{_g(c['other'])}; replicated on every chip {_g(r.replicated_bytes_per_chip)})")
+    per = " per chip" if slice_ else ""
     for c in r.compiles:
         if c.ok:
             lines.append(f"  {c.step:<15} T={c.tokens} S={c.seqs}{' decode-only' if c.decode_only else ''}: "
                          f"{c.pallas_calls} Pallas kernel calls, "
-                         f"temporaries {_g(c.temp_bytes)}, code "
+                         f"temporaries {_g(c.temp_bytes)}{per}, code "
                          f"{c.code_bytes / MiB:.1f} MiB, step inputs+outputs "
-                         f"{_g(c.overhead_bytes - c.temp_bytes - c.code_bytes - r.weight_bytes)} "
-                         f"(compiled in {c.seconds:.0f} s, KV {_g(c.kv_bytes)})")
+                         f"{_g(c.overhead_bytes - c.temp_bytes - c.code_bytes - r.weight_bytes_per_chip)} "
+                         f"(compiled in {c.seconds:.0f} s, KV {_g(c.kv_bytes)}{per})")
     lines.append(f"  margin          {_g(r.margin_bytes)}")
     if r.fits:
         p = r.proof
         lines += [
-            f"  KV cache        {_g(r.kv_cache_bytes)}  pages {r.kv_pages}",
-            f"  total           {_g(p.peak_bytes)} of {_g(r.hbm_limit)} (proof: {p.step} compiled at full size, "
-            f"temporaries {_g(p.temp_bytes)})",
+            f"  KV cache        {_g(r.kv_cache_bytes)}  pages {r.kv_pages}"
+            + (f"; per chip {_g(r.kv_cache_bytes_per_chip)}" if slice_ else ""),
+            f"  total           {_g(p.peak_bytes)}{per} of {_g(r.hbm_limit)} (proof: {p.step} compiled at full "
+            f"size, temporaries {_g(p.temp_bytes)}{per})",
             f"  KV bytes/token  ours {r.kv_bytes_per_token_ours / 1024:.1f} KiB at {r.max_model_len} tokens "
             f"(windowed sliding layers, KV sharing) | vLLM-TPU-style {r.kv_bytes_per_token_vllm / 1024:.1f} KiB",
             f"  KV tokens       ours {r.kv_tokens:,} ({r.kv_seqs_at_max_len:.1f} sequences of {r.max_model_len} "
@@ -763,8 +907,9 @@ def format_report(r: AotResult) -> str:
     if r.projection and r.fits:
         pr = r.projection
         lines.append(f"  PROJECTION (roofline, not a measurement) at context {pr.context}: 1 stream reads "
-                     f"{_g(pr.bytes_1)}/step -> {pr.tok_s_1:,.0f} tok/s (projection); 16 streams read "
-                     f"{_g(pr.bytes_16)}/step -> {pr.tok_s_16:,.0f} tok/s aggregate (projection)")
+                     f"{_g(pr.bytes_1)}{per}/step -> {pr.tok_s_1:,.0f} tok/s (projection); 16 streams read "
+                     f"{_g(pr.bytes_16)}{per}/step -> {pr.tok_s_16:,.0f} tok/s aggregate (projection)"
+                     + ("; the chips read in parallel, the interconnect's all-reduces not counted" if slice_ else ""))
     for n in r.notes:
         lines.append(f"  note: {n}")
     head, _, rest = r.reason.partition(": ")
@@ -779,7 +924,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `gemmajax aot` (API.md), plus the engine knobs that change the answer."""
     p.add_argument("--model", required=True, choices=MODELS)
     p.add_argument("--chip", required=True, choices=tuple(CHIPS))
-    p.add_argument("--topology", default="1x1", help="only 1x1 (one chip) for now")
+    p.add_argument("--topology", default="1x1", choices=TOPOLOGIES,
+                   help="chips of the slice (x by y); tensor parallel size = their number (default 1x1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models on a slice: split the expert stacks by expert (else along their MLP width)")
     p.add_argument("--quant", default="none", help="none | w8a8 | w4a16 | qat-w4a16 [+emb4|+emb8]")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp8_e5m2", "fp8_e4m3"),
                    help="KV page dtype; auto = the model's dtype (default)")
@@ -803,6 +951,7 @@ def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None) 
         cfg = ModelConfig.preset(args.model)
     return AotRequest(
         cfg=cfg, chip=args.chip, topology=get("topology", "1x1"), quant=get("quant", "none"),
+        expert_parallel=bool(get("enable_expert_parallel", False)),
         kv_dtype=get("kv_dtype", "auto"), max_model_len=get("max_model_len", 8192),
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 512),
         page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,

@@ -205,7 +205,8 @@ def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepI
 def _attention(spec: RunnerSpec, lspec, q, k, v, pages, meta):
     """One layer's ragged paged attention. q [T, N, H]; k, v [T, K, H] or None (KV-shared layer); pages
     [P, 2K', page_size, H]. With a plan that splits the layer's pages, K/V are repeated to the stored K' heads and
-    the call runs per shard (local heads, local pages: no gather, and the Pallas kernel sees plain arrays)."""
+    the call runs per shard (local heads, local pages: no gather, and the Pallas kernel sees plain arrays); pages
+    that do not split run whole on every device, also under shard_map (Mosaic kernels cannot be partitioned)."""
     cfg = spec.cfg
     kw = {"sm_scale": cfg.attn_scale, "sliding_window": lspec.window, "soft_cap": cfg.attn_logit_softcap,
           "k_scale": spec.k_scale, "v_scale": spec.v_scale, "impl": spec.attn_impl, "kv_dtype": spec.kv_dtype}
@@ -220,9 +221,10 @@ def _attention(spec: RunnerSpec, lspec, q, k, v, pages, meta):
     r = plan.kv_repeat(num_kv)
     if k is not None and r > 1:     # head j stored as heads j*r .. j*r + r - 1: query head n still reads n // (N/K)
         k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
-    if not plan.kv_pages_split(num_kv):
-        return call(q, k, v, pages, meta)
-    heads, pg = P(None, AXIS, None), P(None, AXIS, None, None)
+    if plan.kv_pages_split(num_kv):
+        heads, pg = P(None, AXIS, None), P(None, AXIS, None, None)
+    else:   # replicated pages: every device runs the whole layer (a Pallas call still needs a shard_map around it)
+        heads, pg = P(), P()
     if k is None:
         return jax.shard_map(lambda q, pages, meta: call(q, None, None, pages, meta), mesh=plan.mesh,
                              in_specs=(heads, pg, P()), out_specs=(heads, pg), check_vma=False)(q, pages, meta)
@@ -315,12 +317,16 @@ def build_step_inputs(spec: RunnerSpec, entries: list[tuple], t_pad: int, s_pad:
     return StepInputs(token_ids=tok, positions=pos, logits_indices=rows, metas=metas, shared_metas=shared)
 
 
-@functools.lru_cache(maxsize=16)
 def compiled_step(spec: RunnerSpec, greedy: bool = False, hidden: bool = False):
     """The jitted step for a runner spec, shared by every runner (engine) with the same spec, so a second engine
     over the same model reuses the compiled programs. greedy: `model_step_greedy` (tokens) instead of logits;
-    hidden: also return the final-normed hidden [R, D] of the logits rows (a drafter's input): ((out, h), kv)."""
+    hidden: also return the final-normed hidden [R, D] of the logits rows (a drafter's input): ((out, h), kv).
+    One jitted function per (spec, greedy, hidden), however the flags are passed (positional, keyword, defaulted)."""
+    return _compiled_step(spec, bool(greedy), bool(hidden))
 
+
+@functools.lru_cache(maxsize=16)
+def _compiled_step(spec: RunnerSpec, greedy: bool, hidden: bool):
     def step(weights, kv, inp):
         return model_step(weights, spec, kv, inp, greedy=greedy, hidden=hidden)
     if spec.plan is None:
