@@ -38,6 +38,7 @@ from gemmajax.engine.runner import (  # noqa: E402
     RunnerSpec,
     StepInputs,
     abstract_caches,
+    bucket,
     build_step_inputs,
     compiled_step,
     kv_groups,
@@ -58,6 +59,9 @@ EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNSUPPORTED, EXIT_COMPILE_ERROR = 0, 1, 2, 3
 # The programs `analyze` can compile (see `programs`): the largest all-decode step and the largest mixed step, each
 # as the engine's greedy variant (tokens out) and its logits variant.
 STEPS = ("decode", "decode-greedy", "prefill", "prefill-greedy")
+# With a drafter (speculative decoding) the engine also runs the verification step (each sequence's newest token and
+# its k drafts in one ragged step, logits at every row) and the drafter's own k-step program.
+SPEC_STEPS = ("verify", "verify-greedy")
 # Slices `--topology` takes (chips along x by y): one chip, or tensor parallelism over every chip of the slice.
 TOPOLOGIES = ("1x1", "2x2", "2x4")
 
@@ -106,7 +110,13 @@ class AotRequest:
     dtype: str = "bfloat16"              # weight / activation dtype of the unquantized parts
     attn_impl: str = "pallas"            # "pallas" (TPU kernel) | "ref" (the jnp path); pallas falls back to ref
     probe: bool = True                   # compile every step with a small cache first to measure temporaries
-    steps: tuple[str, ...] = STEPS       # which of STEPS to compile
+    steps: tuple[str, ...] = STEPS       # which of STEPS (+ SPEC_STEPS with a drafter) to compile
+    # Speculative decoding with a gemma4_assistant drafter (model.assistant.AssistantConfig; one chip only): every
+    # step then also returns the hidden state (the engine's hidden=True programs), the verify steps and the drafter
+    # are compiled, the drafter's weights join the budget; the projection assumes `assumed_acceptance` per draft.
+    draft: Any = None
+    num_speculative_tokens: int = 4
+    assumed_acceptance: float = 0.7
     # probe=False (the fit table's fast mode): size the cache from weights + overhead_guess, compile every step at
     # that size (the last of `steps` first), then once more at the size their measured overhead allows when the
     # guess was off
@@ -129,6 +139,7 @@ class StepCompile:
     kv_bytes: int             # KV pages one chip holds (all of them on 1x1)
     decode_only: bool = False  # the metas' decode_only flag (the attention's all-decode form)
     greedy: bool = False      # the greedy variant (tokens [S] out) rather than logits [S, V]
+    weight_bytes: int = 0     # of argument_bytes, the weights the program takes (one chip's)
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
@@ -168,6 +179,14 @@ class Projection:
     tok_s_16: float           # aggregate tokens/s of 16 streams
     weights_read: float       # weight bytes read per step at 1 stream (gathers: rows only; tied head: in full)
     kv_read_per_seq: float    # KV bytes one sequence reads per step at `context`
+    # speculative decoding (a drafter): rounds of k draft steps + one verify step, `acceptance` ASSUMED per draft
+    spec_k: int = 0
+    acceptance: float = 0.0   # assumed, not measured
+    tokens_per_round: float = 0.0   # (1 - a^(k+1)) / (1 - a): expected accepted drafts + the target's token
+    draft_bytes_1: float = 0.0      # bytes one draft step reads, 1 / 16 streams
+    draft_bytes_16: float = 0.0
+    spec_tok_s_1: float = 0.0
+    spec_tok_s_16: float = 0.0
 
 
 @dataclass
@@ -194,6 +213,8 @@ class AotResult:
     weight_bytes_per_chip: int = 0   # what one chip holds: split leaves' shards + replicated leaves whole
     weight_breakdown_per_chip: dict[str, int] = field(default_factory=dict)
     replicated_bytes_per_chip: int = 0   # of which leaves every chip holds whole (norms, unsplittable leaves)
+    draft_model: str = ""            # the drafter (speculative decoding), "" without
+    draft_weight_bytes: int = 0
     fits: bool = False
     reason: str = ""
     attn_impl: str = ""
@@ -459,6 +480,38 @@ def project(cfg: ModelConfig, w: gemma.Weights, chip: Chip, context: int, kv_dty
                       tok_s_16=16 * chip.bandwidth / b16, weights_read=w1, kv_read_per_seq=kv)
 
 
+def draft_bytes_read(acfg: Any, dw: Any, batch: int, context: int, kv_dtype: str) -> float:
+    """Bytes one draft step reads for `batch` rows at `context`: the drafter's weights (with centroid masking
+    (`use_ordered_embeddings`) its vocabulary table only at the k x V / C rows each row selects; else in full, the
+    tied LM head), one target-embedding row per row (its width D_t in the drafter's dtype), and the target K/V its
+    layers read: min(context, W + 1) tokens on sliding layers, the whole context on full ones."""
+    weights = float(tree_bytes(dw))
+    row = tree_bytes(dw.text.embed) / dw.text.embed.shape[0]
+    if acfg.use_ordered_embeddings:
+        weights -= tree_bytes(dw.text.embed) - batch * acfg.centroid_top_k * acfg.tokens_per_centroid * row
+    weights += batch * acfg.backbone_hidden_size * jnp.dtype(dw.pre_projection.dtype).itemsize
+    item = resolve_kv_dtype(kv_dtype).itemsize
+    kv = 0.0
+    for s in acfg.text.layers:
+        toks = min(context, s.window) if s.window is not None else context
+        kv += toks * 2 * s.num_kv_heads * s.head_dim * item
+    return weights + batch * kv
+
+
+def project_spec(p: Projection, acfg: Any, dw: Any, chip: Chip, kv_dtype: str, k: int, acceptance: float) -> None:
+    """Speculative decoding's PROJECTION (an assumed acceptance rate, not a measurement) into `p`: a round is k draft
+    steps and one verify step (read like a decode step: the weights once, each row's KV), and yields
+    (1 - a^(k+1)) / (1 - a) tokens per sequence when each draft is accepted with probability a given the ones before
+    it were. tokens/s = bandwidth x tokens per round / bytes read per round (1 stream, and 16 in aggregate)."""
+    a = acceptance
+    p.spec_k, p.acceptance = k, a
+    p.tokens_per_round = (1.0 - a ** (k + 1)) / (1.0 - a)
+    p.draft_bytes_1 = draft_bytes_read(acfg, dw, 1, p.context, kv_dtype)
+    p.draft_bytes_16 = draft_bytes_read(acfg, dw, 16, p.context, kv_dtype)
+    p.spec_tok_s_1 = chip.bandwidth * p.tokens_per_round / (p.bytes_1 + k * p.draft_bytes_1)
+    p.spec_tok_s_16 = 16 * chip.bandwidth * p.tokens_per_round / (p.bytes_16 + k * p.draft_bytes_16)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Deviceless compiles
 # ---------------------------------------------------------------------------------------------------------------
@@ -542,30 +595,41 @@ def engine_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tupl
 class Program:
     """One program the engine runs: a step shape and the variant (greedy: tokens out; else logits)."""
 
-    step: str          # one of STEPS
+    step: str          # one of STEPS + SPEC_STEPS
     tokens: int        # T
     seqs: int          # S
     decode_only: bool
     greedy: bool
+    rows: int | None = None   # R, the padded logits rows (None: S, one per sequence; verify: every verified token)
+    hidden: bool = False      # also returns the final-normed hidden of the rows (every program, with a drafter)
 
 
 def programs(req: AotRequest) -> dict[str, Program]:
     """The largest program of each kind the engine runs for these limits, by name (STEPS): the all-decode step
     (S_max, S_max, decode_only) and the largest mixed step (T_max, S_max), each greedy and with logits. Every other
     shape of `step_shapes` has at most these T and S, so needs no more HBM."""
-    shapes = step_shapes(*engine_buckets(req.max_num_seqs, req.max_num_batched_tokens))
+    s_b, t_b = engine_buckets(req.max_num_seqs, req.max_num_batched_tokens)
+    shapes = step_shapes(s_b, t_b)
     dec = max((x for x in shapes if x[2]), key=lambda x: x[:2])
     mixed = max((x for x in shapes if not x[2]), key=lambda x: x[:2])
-    return {"decode": Program("decode", *dec, greedy=False),
-            "decode-greedy": Program("decode-greedy", *dec, greedy=True),
-            "prefill": Program("prefill", *mixed, greedy=False),
-            "prefill-greedy": Program("prefill-greedy", *mixed, greedy=True)}
+    h = req.draft is not None
+    out = {"decode": Program("decode", *dec, greedy=False, hidden=h),
+           "decode-greedy": Program("decode-greedy", *dec, greedy=True, hidden=h),
+           "prefill": Program("prefill", *mixed, greedy=False, hidden=h),
+           "prefill-greedy": Program("prefill-greedy", *mixed, greedy=True, hidden=h)}
+    if h:   # every sequence verifies k drafts: T = R = S (1 + k) tokens, padded as LLMEngine._dispatch pads them
+        s = s_b[-1]
+        n = min(s * (1 + req.num_speculative_tokens), req.max_num_batched_tokens)
+        t = max(bucket(n, t_b), s)
+        out["verify"] = Program("verify", t, s, False, greedy=False, rows=t, hidden=True)
+        out["verify-greedy"] = Program("verify-greedy", t, s, False, greedy=True, rows=t, hidden=True)
+    return out
 
 
 def program_inputs(spec: RunnerSpec, prog: Program) -> StepInputs:
     """Padding inputs of prog's shape (no sequence: nothing is written) with its decode_only flag set on every
     group's meta, as `LLMEngine.precompile` builds them (KV-shared layers' metas are decode_only by construction)."""
-    inp = build_step_inputs(spec, [], prog.tokens, prog.seqs)
+    inp = build_step_inputs(spec, [], prog.tokens, prog.seqs, prog.rows)
     return dataclasses.replace(inp, metas=tuple(dataclasses.replace(m, decode_only=prog.decode_only)
                                                 for m in inp.metas))
 
@@ -578,15 +642,42 @@ def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, prog:
     kv = abstract_caches(spec, None if spec.plan is not None else target.sharding)
     res = StepCompile(step=prog.step, tokens=prog.tokens, seqs=prog.seqs, kv_pages=tuple(spec.num_pages),
                       kv_bytes=chip_bytes(kv), decode_only=prog.decode_only, greedy=prog.greedy,
-                      attn_impl=spec.attn_impl)
+                      weight_bytes=chip_bytes(weights), attn_impl=spec.attn_impl)
     inp = target.abstract(program_inputs(spec, prog))
+    return _compile_into(res, lambda: compiled_step(spec, prog.greedy, prog.hidden).lower(weights, kv, inp), target)
 
+
+def compile_draft(target: Target, weights: gemma.Weights, draft_w: Any, acfg: Any, spec: RunnerSpec,
+                  num_steps: int, seqs: int) -> StepCompile:
+    """Lower and compile the engine's drafter program (`spec_decode._draft`: `num_steps` greedy draft steps for
+    `seqs` rows, reading the target's embedding and its paged K/V of the store layers read-only) for the target."""
+    from gemmajax.engine.spec_decode import _draft
+    from gemmajax.model import assistant
+
+    kv = abstract_caches(spec, target.sharding)
+    cfg = spec.cfg
+    layers = assistant.target_layers(acfg, cfg)
+    slots = tuple((kind, cfg.kv_slot[li]) for kind, li in sorted(layers.items()))
+    inp = build_step_inputs(spec, [], seqs, seqs)
+    metas = target.abstract({kind: inp.metas[spec.groups.index(kind)] for kind, _ in slots})
+    d_t = acfg.backbone_hidden_size
+    hidden = jax.ShapeDtypeStruct((seqs, d_t), jnp.float32, sharding=target.sharding)
+    rows = jax.ShapeDtypeStruct((seqs,), jnp.int32, sharding=target.sharding)
+    res = StepCompile(step="draft", tokens=seqs, seqs=seqs, kv_pages=tuple(spec.num_pages), kv_bytes=chip_bytes(kv),
+                      decode_only=True, greedy=True, weight_bytes=chip_bytes((draft_w, weights.embed)),
+                      attn_impl=spec.attn_impl)
+    return _compile_into(res, lambda: _draft.lower(draft_w, acfg, weights.embed, kv, spec, slots, metas, hidden,
+                                                   rows, rows, num_steps=num_steps), target)
+
+
+def _compile_into(res: StepCompile, lower, target: Target) -> StepCompile:
+    """Run `lower()` then compile, recording the compiler's memory figures (or its verdict) in `res`."""
     noise = _DropKernelNoise()
     logging.getLogger().addFilter(noise)
     t0 = time.perf_counter()
     try:
         with jax.set_mesh(target.mesh):  # Pallas asks the current mesh which TPU it lowers for
-            lowered = compiled_step(spec, prog.greedy).lower(weights, kv, inp)
+            lowered = lower()
             res.pallas_calls = lowered.as_text().count("@tpu_custom_call")
             compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 -- the compiler's verdict is the result
@@ -657,6 +748,20 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     if req.expert_parallel and not cfg.enable_moe:
         raise ValueError(f"enable_expert_parallel: model {req.model_name} has no experts (num_experts=0); drop the "
                          f"flag")
+    draft_w = None
+    if req.draft is not None:
+        from gemmajax.model import assistant
+
+        if n_chips > 1:
+            raise ValueError(f"speculative decoding with a drafter: topology {req.topology}; only 1x1 is compiled "
+                             f"(the drafter reads the target's pages outside any shard_map)")
+        if not req.probe:
+            raise ValueError("speculative decoding with a drafter needs probe=True (its program is measured)")
+        if req.num_speculative_tokens < 1 or not 0.0 <= req.assumed_acceptance < 1.0:
+            raise ValueError(f"num_speculative_tokens must be >= 1 and assumed_acceptance in [0, 1); got "
+                             f"{req.num_speculative_tokens} and {req.assumed_acceptance}")
+        assistant.target_layers(req.draft, cfg)   # a ConfigError (ValueError) naming the mismatch
+        draft_w = assistant.abstract_assistant_weights(req.draft, jnp.dtype(req.dtype))
     w_plain = abstract_model_weights(cfg, req.quant, req.dtype)
     breakdown = weight_breakdown(w_plain)
     # On a slice the plan (and so the libtpu topology) is needed before anything is decided: per-chip bytes.
@@ -682,7 +787,13 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                                      sum(_nbytes(a) for a in jax.tree.leaves(w_chip) if a.sharding.is_fully_replicated))
     if req.expert_parallel and tplan is None:
         res.notes.append("enable_expert_parallel has no effect on one chip")
+    if draft_w is not None:
+        res.draft_model = req.draft.name or req.draft.model_type
+        res.draft_weight_bytes = tree_bytes(draft_w)
     res.projection = project(cfg, w_chip, chip, req.proj_context or req.max_model_len, req.kv_dtype, tplan)
+    if draft_w is not None:
+        project_spec(res.projection, req.draft, draft_w, chip, req.kv_dtype, req.num_speculative_tokens,
+                     req.assumed_acceptance)
     chunk = req.max_num_batched_tokens
     plan_kw = dict(max_model_len=req.max_model_len, chunk=chunk, page_size=req.page_size, kv_dtype=req.kv_dtype,
                    plan=tplan)
@@ -694,8 +805,13 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     # 1. The cheap check: weights alone, or weights with the smallest useful cache, exceed the chip.
     small_plan = plan_kv(cfg, 0, seqs=1, **plan_kw)
     minimum = small_plan.minimum_bytes
-    if res.weight_bytes_per_chip + req.margin_bytes + minimum > chip.hbm_limit:
-        if tplan is None:
+    if res.weight_bytes_per_chip + res.draft_weight_bytes + req.margin_bytes + minimum > chip.hbm_limit:
+        if draft_w is not None:
+            res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + the drafter's {_g(res.draft_weight_bytes)}"
+                          f" + margin {_g(req.margin_bytes)} + the KV of one {req.max_model_len}-token sequence "
+                          f"({_g(minimum)}) exceed the {chip.name} compiler limit of {_g(chip.hbm_limit)} (decided "
+                          f"without compiling)")
+        elif tplan is None:
             res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + margin {_g(req.margin_bytes)} + the KV "
                           f"of one {req.max_model_len}-token sequence ({_g(minimum)}) exceed the {chip.name} "
                           f"compiler limit of {_g(chip.hbm_limit)} (decided without compiling)")
@@ -715,10 +831,10 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     if why:
         res.notes.append(f"attention compiled with the jnp reference path (impl='ref'): {why}")
     progs = programs(req)
-    steps = list(dict.fromkeys(req.steps))  # as given, each once
+    steps = list(dict.fromkeys(req.steps + (SPEC_STEPS if draft_w is not None and req.steps == STEPS else ())))
     unknown = [x for x in steps if x not in progs]
     if unknown or not steps:
-        raise ValueError(f"steps {list(req.steps)}: expected one or more of {list(STEPS)}")
+        raise ValueError(f"steps {list(req.steps)}: expected one or more of {list(progs)}")
 
     def compile_at(step: str, pages: tuple[int, ...]) -> StepCompile:
         nonlocal impl
@@ -765,10 +881,26 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                 res.attn_impl = impl
                 res.reason = f"does not fit: the {step} step with the smallest cache does not compile: {c.oom}"
                 return res
-        overhead = max(c.overhead_bytes for c in res.compiles)
         order = [max(res.compiles, key=lambda c: c.overhead_bytes).step]  # the others need less besides the cache
+        if draft_w is not None:   # the drafter's own program, beside the target's (its weights held all along)
+            say(f"compiling the drafter's {req.num_speculative_tokens}-step program (S={progs['decode'].seqs}) for "
+                f"{req.chip}:{req.topology}")
+            c = compile_draft(target, weights, target.abstract(draft_w), req.draft,
+                              _spec(req, small, impl, tplan), req.num_speculative_tokens, progs["decode"].seqs)
+            say(f"  {'ok' if c.ok else 'OOM' if c.oom else 'error'} in {c.seconds:.0f} s"
+                + (f": temporaries {_g(c.temp_bytes)}" if c.ok else ""))
+            res.compiles.append(c)
+            if not c.ok:
+                res.attn_impl = impl
+                res.reason = (f"compile error in the drafter's step: {c.error.splitlines()[0][:500]}" if c.error
+                              else f"does not fit: the drafter's step with the smallest cache does not compile: "
+                                   f"{c.oom}")
+                return res
+        # weights (the target's and the drafter's) are held once; each program adds its own buffers
+        overhead = (res.weight_bytes_per_chip + res.draft_weight_bytes
+                    + max(c.overhead_bytes - c.weight_bytes for c in res.compiles))
     else:  # no measurements: every step is compiled at full size, the last given first
-        overhead = res.weight_bytes + req.overhead_guess
+        overhead = res.weight_bytes_per_chip + req.overhead_guess
         order = [steps[-1]] + steps[:-1]
 
     # 3. The KV budget and the cache it buys; 4. prove it by compiling at that size (shrink on an OOM, twice).
@@ -821,8 +953,12 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                                      f"{(top.oom or top.error or '')[:200]}); kept the first proven size")
         res.compiles.extend(proved)
     res.attn_impl = impl
+    if proof.peak_bytes + res.draft_weight_bytes > chip.hbm_limit:
+        res.reason = (f"does not fit: the proof's peak {_g(proof.peak_bytes)} + the drafter's weights "
+                      f"{_g(res.draft_weight_bytes)} exceed {_g(chip.hbm_limit)}")
+        return res
     res.fits = True
-    if chip.hbm_limit - proof.peak_bytes < req.margin_bytes:
+    if chip.hbm_limit - proof.peak_bytes - res.draft_weight_bytes < req.margin_bytes:
         res.notes.append(f"the compiled peak leaves {_g(chip.hbm_limit - proof.peak_bytes)} of the "
                          f"{_g(req.margin_bytes)} margin")
     res.kv_cache_bytes = plan.logical_bytes
@@ -833,7 +969,12 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     vllm_bpt = res.kv_bytes_per_token_vllm
     res.kv_tokens_vllm_style = int(plan.logical_bytes // vllm_bpt) if vllm_bpt else 0
     which = f"the {proof.step} step compiles" if len(order) == 1 else f"all {len(order)} steps compile"
-    if tplan is None:
+    if draft_w is not None:
+        res.reason = (f"fits: {which} for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} KV cache, peak "
+                      f"{_g(proof.peak_bytes)} + the drafter's weights {_g(res.draft_weight_bytes)} (held beside it)"
+                      f" = {_g(proof.peak_bytes + res.draft_weight_bytes)} of {_g(chip.hbm_limit)}; the drafter's "
+                      f"program compiles (temporaries {_g(res.temp_bytes.get('draft', 0))})")
+    elif tplan is None:
         res.reason = (f"fits: {which} for {req.chip}:{req.topology} with a {_g(plan.cache_bytes)} KV cache, peak "
                       f"{_g(proof.peak_bytes)} of {_g(chip.hbm_limit)}")
     else:
@@ -842,7 +983,7 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                       f"cache ({_g(plan.cache_bytes)} per chip), peak {_g(proof.peak_bytes)} per chip of "
                       f"{_g(chip.hbm_limit)}")
     if req.probe and len(steps) > 1:
-        other = [c.step for c in res.compiles if c.step != proof.step]
+        other = [c.step for c in res.compiles if c.step not in (proof.step, "draft")]
         res.notes.append(f"{', '.join(other)} need less HBM besides the cache than {proof.step} (same weights and "
                          f"cache), so they fit at this cache size too (compiled with a small cache only)")
     if plan.seqs_at_max_len < req.max_num_seqs:
@@ -880,14 +1021,18 @@ def format_report(r: AotResult) -> str:
         lines.append(f"  weights/chip    {_g(r.weight_bytes_per_chip)}  (embedding/LM head {_g(c['embedding'])}, "
                      f"per-layer embeddings {_g(c['per_layer_embedding'])}, experts {_g(c['experts'])}, other "
                      f"{_g(c['other'])}; replicated on every chip {_g(r.replicated_bytes_per_chip)})")
+    if r.draft_model:
+        lines.append(f"  drafter         {r.draft_model}: weights {_g(r.draft_weight_bytes)} (bf16, held beside the "
+                     f"target's; every target step also returns its hidden state for it)")
     per = " per chip" if slice_ else ""
     for c in r.compiles:
         if c.ok:
-            lines.append(f"  {c.step:<15} T={c.tokens} S={c.seqs}{' decode-only' if c.decode_only else ''}: "
+            lines.append(f"  {c.step:<15} T={c.tokens} S={c.seqs}{' decode-only' if c.decode_only else ''}"
+                         f"{' (k draft steps)' if c.step == 'draft' else ''}: "
                          f"{c.pallas_calls} Pallas kernel calls, "
                          f"temporaries {_g(c.temp_bytes)}{per}, code "
                          f"{c.code_bytes / MiB:.1f} MiB, step inputs+outputs "
-                         f"{_g(c.overhead_bytes - c.temp_bytes - c.code_bytes - r.weight_bytes_per_chip)} "
+                         f"{_g(c.overhead_bytes - c.temp_bytes - c.code_bytes - c.weight_bytes)} "
                          f"(compiled in {c.seconds:.0f} s, KV {_g(c.kv_bytes)}{per})")
     lines.append(f"  margin          {_g(r.margin_bytes)}")
     if r.fits:
@@ -910,6 +1055,12 @@ def format_report(r: AotResult) -> str:
                      f"{_g(pr.bytes_1)}{per}/step -> {pr.tok_s_1:,.0f} tok/s (projection); 16 streams read "
                      f"{_g(pr.bytes_16)}{per}/step -> {pr.tok_s_16:,.0f} tok/s aggregate (projection)"
                      + ("; the chips read in parallel, the interconnect's all-reduces not counted" if slice_ else ""))
+        if pr.spec_k:
+            lines.append(f"  PROJECTION with speculative decoding at an ASSUMED acceptance rate {pr.acceptance:.2f} per "
+                         f"draft (not measured), k={pr.spec_k}: {pr.tokens_per_round:.2f} tokens per round of {pr.spec_k} "
+                         f"draft steps ({_g(pr.draft_bytes_1)} each at 1 stream) + 1 verify step -> "
+                         f"{pr.spec_tok_s_1:,.0f} tok/s at 1 stream (projection); "
+                         f"{pr.spec_tok_s_16:,.0f} tok/s aggregate at 16 (projection)")
     for n in r.notes:
         lines.append(f"  note: {n}")
     head, _, rest = r.reason.partition(": ")
@@ -938,32 +1089,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin-mib", type=int, default=256, help="HBM kept free besides what the compiler counts")
     p.add_argument("--proj-context", type=int, default=None, help="context of the projection (default max-model-len)")
     p.add_argument("--attn-impl", default="pallas", choices=("pallas", "ref"))
+    p.add_argument("--speculative-model", default=None,
+                   help="a gemma4_assistant drafter directory (its config.json only): compile the verify step and the "
+                        "drafter, count its weights, project speculative decoding")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--assumed-acceptance", type=float, default=0.7,
+                   help="per-draft acceptance rate the speculative projection ASSUMES (not measured)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
-def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None) -> AotRequest:
-    """An AotRequest from parsed flags; flags the caller's parser lacks take their defaults."""
+def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None, draft: Any = None) -> AotRequest:
+    """An AotRequest from parsed flags; flags the caller's parser lacks take their defaults. `draft`: an
+    AssistantConfig replacing --speculative-model (tests)."""
     def get(name, default):
         v = getattr(args, name, None)
         return default if v is None else v
 
     if cfg is None:
         cfg = ModelConfig.preset(args.model)
+    path = get("speculative_model", None)
+    if draft is None and path is not None:
+        from gemmajax.model.assistant import AssistantConfig
+
+        conf = os.path.join(path, "config.json")
+        if not os.path.exists(conf):
+            raise ValueError(f"--speculative-model {path!r}: no config.json (a gemma4_assistant checkpoint directory)")
+        with open(conf) as f:
+            draft = AssistantConfig.from_hf(json.load(f), name=os.path.basename(path.rstrip("/")))
     return AotRequest(
         cfg=cfg, chip=args.chip, topology=get("topology", "1x1"), quant=get("quant", "none"),
         expert_parallel=bool(get("enable_expert_parallel", False)),
         kv_dtype=get("kv_dtype", "auto"), max_model_len=get("max_model_len", 8192),
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 512),
         page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,
-        proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"))
+        proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"), draft=draft,
+        num_speculative_tokens=get("num_speculative_tokens", 4), assumed_acceptance=get("assumed_acceptance", 0.7))
 
 
-def run(args: argparse.Namespace, cfg: ModelConfig | None = None, out=None) -> int:
+def run(args: argparse.Namespace, cfg: ModelConfig | None = None, out=None, draft: Any = None) -> int:
     """`gemmajax aot`: print the report (or JSON with --json). Returns 0 when it fits, 1 when it does not, 2 for an
-    unsupported request, 3 for a compile failure that is not about memory. `cfg` replaces the preset (tests)."""
+    unsupported request, 3 for a compile failure that is not about memory. `cfg` replaces the preset, `draft` (an
+    AssistantConfig) the --speculative-model directory (tests)."""
     out = out or sys.stdout
     try:
-        req = request_from_args(args, cfg)
+        req = request_from_args(args, cfg, draft)
         as_json = bool(getattr(args, "json", False))
         log = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
         res = analyze(req, log=log)

@@ -5,6 +5,7 @@ Full-size compiles (E2B, 12B) take minutes on two cores: they are marked slow (`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import io
 import json
@@ -493,3 +494,80 @@ def test_full_size_fits_a_2x2_slice(model, chip, quant, ep):
     assert p["kv_bytes"] == r["kv_cache_bytes_per_chip"] and r["kv_seqs_at_max_len"] >= 1
     assert r["weight_bytes_per_chip"] + p["kv_bytes"] <= p["argument_bytes"]
     assert p["argument_bytes"] + p["temp_bytes"] <= aot.CHIPS[chip].hbm_limit
+
+
+# --------------------------------------------------------------------------------------------- speculative decoding
+
+def tiny_drafter(backbone: int = 256):
+    """A gemma4_assistant for tiny_cfg: 2 Q-only layers (sliding, full) of width 128 over the target's K/V, centroid
+    masking (16 clusters of 64 tokens, the top 4 kept)."""
+    from gemmajax.model.assistant import AssistantConfig
+
+    t = _g4(128, 2, 2, 1, None, 256, 2, 64)
+    t.update(vocab_size=1024, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=2)
+    return AssistantConfig.from_hf({"model_type": "gemma4_assistant", "text_config": t, "backbone_hidden_size": backbone,
+                                    "use_ordered_embeddings": True, "num_centroids": 16,
+                                    "centroid_intermediate_top_k": 4}, name="tiny-drafter")
+
+
+def test_verify_programs_are_the_engines():
+    """With a drafter every program returns the hidden state, and the verify step is all 8 sequences' newest token and
+    4 drafts: T = R = 40 tokens padded to the 64-token bucket, logits (or tokens) at every row."""
+    req = aot.AotRequest(cfg=tiny_cfg(), max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64,
+                         draft=tiny_drafter(), kv_dtype="bf16")
+    progs = aot.programs(req)
+    assert all(p.hidden for p in progs.values()) and set(progs) == set(aot.STEPS + aot.SPEC_STEPS)
+    v = progs["verify-greedy"]
+    assert (v.tokens, v.seqs, v.rows, v.decode_only, v.greedy) == (64, 8, 64, False, True)
+    inp = aot.program_inputs(aot._spec(req, (2, 2), "ref"), v)
+    assert inp.token_ids.shape == (64,) and inp.logits_indices.shape == (64,)
+    assert not any(p.hidden for p in aot.programs(dataclasses.replace(req, draft=None)).values())
+
+
+@needs_libtpu
+def test_tiny_model_with_drafter_fits_v5e():
+    """The verify step and the drafter's 4-step program compile for v5e; the drafter's bytes (by hand from its HF
+    tensor list) are held beside the target's and taken from the KV budget; the speculative projection uses the
+    assumed acceptance and says so."""
+    acfg = tiny_drafter()
+    req = aot.AotRequest(cfg=tiny_cfg(), chip="v5e", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64,
+                         kv_dtype="bf16", draft=acfg, steps=("verify-greedy",), num_speculative_tokens=4,
+                         assumed_acceptance=0.7)
+    r = aot.analyze(req)
+    assert r.fits, r.reason
+    draft = sum(math.prod(s) * (4 if gemma.is_norm(n) or n.endswith("token_ordering") else 2)
+                for n, s in acfg.param_shapes().items())
+    assert r.draft_weight_bytes == draft
+    by = {c.step: c for c in r.compiles}
+    assert set(by) == {"verify-greedy", "draft"}
+    v, d = by["verify-greedy"], by["draft"]
+    assert v.output_bytes - v.alias_bytes >= 64 * 256 * 2                      # tokens [64] and hidden [64, 256] bf16
+    assert d.weight_bytes == draft + 1024 * 256 * 2 and d.pallas_calls == 2   # + the target's embedding; 2 layers
+    assert d.argument_bytes >= d.weight_bytes + d.kv_bytes
+    limit = aot.CHIPS["v5e"].hbm_limit
+    extra = max(c.overhead_bytes - c.weight_bytes for c in r.compiles)
+    assert r.kv_budget_bytes == limit - r.margin_bytes - r.weight_bytes - draft - extra
+    assert r.proof.step == "verify-greedy" and r.proof.peak_bytes + draft <= limit
+    p = r.projection
+    assert p.tokens_per_round == pytest.approx((1 - 0.7 ** 5) / 0.3)
+    # one draft step at 1 stream: the drafter less its vocabulary table, plus the 4 x 64 rows it selects, one target
+    # embedding row of 256 bf16, and the target K/V of its 2 layers (sliding: window 64 + 1, full: 1024 tokens)
+    assert [(s.window, s.num_kv_heads, s.head_dim) for s in acfg.text.layers] == [(65, 1, 256), (None, 1, 512)]
+    table = 1024 * 128 * 2
+    d1 = draft - table + 4 * 64 * 128 * 2 + 256 * 2 + 65 * 2 * 256 * 2 + 1024 * 2 * 512 * 2
+    assert p.draft_bytes_1 == pytest.approx(d1)
+    assert p.spec_tok_s_1 == pytest.approx(819e9 * p.tokens_per_round / (p.bytes_1 + 4 * d1))
+    text = aot.format_report(r)
+    line = next(x for x in text.splitlines() if "speculative" in x)
+    assert "ASSUMED acceptance rate 0.70" in line and line.count("tok/s") == line.count("(projection)") == 2
+
+
+def test_drafter_errors_are_unsupported(capsys):
+    a = args(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64)
+    assert aot.run(a, cfg=tiny_cfg(), draft=tiny_drafter(backbone=512)) == aot.EXIT_UNSUPPORTED
+    assert "backbone_hidden_size=512 but the target's hidden_size is 256" in capsys.readouterr().err
+    assert aot.run(args(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, topology="2x2"),
+                   cfg=tiny4_cfg(), draft=tiny_drafter()) == aot.EXIT_UNSUPPORTED
+    assert "only 1x1 is compiled" in capsys.readouterr().err
+    assert aot.run(args(speculative_model="/nonexistent")) == aot.EXIT_UNSUPPORTED
+    assert "no config.json" in capsys.readouterr().err
