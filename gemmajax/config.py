@@ -275,7 +275,9 @@ def _from_gemma4(cfg: dict, name: str) -> ModelConfig:
         kinds[-1] = FULL
     window = int(cfg.get("sliding_window") or (1024 if unified else 512))
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-    global_hd = cfg.get("global_head_dim", 512)
+    # transformers' dialect (a per_layer_config key, even empty) omits what equals the base: a full layer with no
+    # override has head_dim; the other dialect's missing global_head_dim means its 512 default
+    global_hd = cfg.get("global_head_dim", hd if "per_layer_config" in cfg else 512)
     global_kv = cfg.get("num_global_key_value_heads")
     per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items() if str(k).isdigit()}
     rope = cfg.get("rope_parameters") or {

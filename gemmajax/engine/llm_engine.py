@@ -107,7 +107,8 @@ def _take(tokens: jax.Array, src: np.ndarray) -> jax.Array:
 class _ReqState:
     seq: Sequence
     detok: Any
-    text: str = ""
+    text: str = ""                                    # the output's text so far (held-back characters included)
+    sent_chars: int = 0                               # characters of it already emitted
     sent_tokens: int = 0
     constraint: Any = None
     logprobs: list = field(default_factory=list)
@@ -560,28 +561,48 @@ class LLMEngine:
         return sample_step(logits, batch)
 
     def _emit(self, st: _ReqState) -> RequestOutput:
+        """The request's output for the tokens appended since the last one. Stop strings are checked token by
+        token (a step may append several: drafts, lookahead), also on a sequence that just reached max_tokens (a
+        stop string its last token completes still counts, as in vLLM) and on one that ended on a stop token: at
+        the first token that completes one the output ends there (later tokens dropped), its text cut right before
+        the string (after it with include_stop_str_in_output). Until the request ends, the last (longest stop
+        string - 1) characters are held back when the string is cut out, as vLLM does, so no streamed text is
+        ever part of a stop string."""
         seq = st.seq
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[st.sent_tokens:]
-        delta = "".join(st.detok.push(t) for t in new_ids)
         params = seq.params
+        new_ids = seq.output_token_ids[st.sent_tokens:]
         finished = seq.is_finished
-        if not finished and params.stop:
-            full = st.text + delta
-            hit = _find_stop(full, params.stop, len(st.text))
-            if hit is not None:
-                pos, s = hit
-                end = pos + len(s) if params.include_stop_str_in_output else pos
-                delta = full[len(st.text):end] if end >= len(st.text) else ""
-                self.scheduler.finish(seq, "stop", s)
-                finished = True
-        if finished and not params.stop or finished and seq.stop_reason not in (params.stop or []):
-            delta += st.detok.flush()
-        st.text += delta
-        st.sent_tokens = len(out_ids)
-        lps = st.logprobs[-len(new_ids):] if (params.logprobs is not None and new_ids) else None
-        out = RequestOutput(seq.request_id, seq.prompt_token_ids, list(out_ids), list(new_ids), delta, st.text,
-                            finished, seq.finish_reason if finished else None, lps, seq.num_cached_tokens,
+        check = bool(params.stop) and seq.finish_reason in (None, "length", "stop")
+        new_lps = st.logprobs[-len(new_ids):] if (params.logprobs is not None and new_ids) else None
+        keep, hit = len(new_ids), None
+        for j, t in enumerate(new_ids):
+            piece = st.detok.push(t)
+            st.text += piece
+            if check and piece:
+                hit = _find_stop(st.text, params.stop, len(st.text) - len(piece))
+                if hit is not None:
+                    keep = j + 1
+                    break
+        if hit is not None:
+            pos, stop = hit
+            st.text = st.text[:pos + len(stop) if params.include_stop_str_in_output else pos]
+            del seq.token_ids[seq.num_prompt_tokens + st.sent_tokens + keep:]
+            if finished:   # at max_tokens or on a stop token: the stop string is what ended it
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+            finished = True
+        elif finished:
+            st.text += st.detok.flush()
+        hold = 0
+        if params.stop and not params.include_stop_str_in_output and not finished:
+            hold = max(len(x) for x in params.stop) - 1
+        shown = st.text[:max(len(st.text) - hold, st.sent_chars)]
+        delta, st.sent_chars = shown[st.sent_chars:], len(shown)
+        new_ids, lps = new_ids[:keep], new_lps[:keep] if new_lps is not None else None
+        st.sent_tokens += keep
+        out = RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), list(new_ids), delta,
+                            shown, finished, seq.finish_reason if finished else None, lps, seq.num_cached_tokens,
                             seq.stop_reason, getattr(seq, "error", None),
                             st.thought.total if st.thought is not None else 0)
         if finished:

@@ -215,9 +215,14 @@ def test_sampling_arrays():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(temperature=-1), "temperature must be >= 0, got -1"),
+    (dict(temperature=-1), "temperature must be >= 0 and finite in float32, got -1"),
+    (dict(temperature=1e308), "temperature must be >= 0 and finite in float32"),
+    (dict(top_k=2**31), r"top_k must be in \[-1, 2\*\*31 - 1\]"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty must be > 0 and a normal float32"),
+    (dict(thinking_token_budget=-1), r"thinking_token_budget must be >= 0, got -1"),
+    (dict(n=0), "n must be >= 1, got 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-    (dict(top_k=-2), "top_k must be >= 0"),
+    (dict(top_k=-2), r"top_k must be in \[-1"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
     (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
     (dict(presence_penalty=3), r"presence_penalty must be in \[-2, 2\]"),
@@ -238,3 +243,122 @@ def test_sampling_params_defaults_and_normalisation():
     p = SamplingParams(stop="END", stop_token_ids=(3, 4))
     assert p.stop == ["END"] and p.stop_token_ids == [3, 4] and p.max_tokens == 64 and p.greedy
     assert SamplingParams().stop == [] and not SamplingParams().uses_penalties
+
+
+# -- through the engine ----------------------------------------------------------------------------------
+
+ENGINE_N = 3000          # samples per setting
+P_FAIL = 1e-4            # per setting: a correct sampler fails the chi-square test with this probability
+ENGINE_SETTINGS = [      # (temperature, top_k, top_p, min_p)
+    (1.0, 0, 1.0, 0.0), (0.7, 8, 1.0, 0.0), (1.5, 0, 0.6, 0.0), (1.0, 0, 1.0, 0.2), (1.2, 30, 0.9, 0.05),
+]
+
+
+@pytest.fixture(scope="module")
+def spread_model(tmp_path_factory):
+    """A tiny random Gemma 4 (PLE, KV sharing) whose next-token distribution is spread over many tokens: the final
+    norm is scaled down so the logits have a standard deviation of about 1.5 instead of 8."""
+    import gemmajax
+    from tests.golden.hf_models import VARIANTS, build_hf_config, save_text_checkpoint
+    hf, cfg = build_hf_config(dict(VARIANTS["e2b"], family="gemma4"), seed=21)
+    import torch
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(0.2)
+    return gemmajax.load_model(save_text_checkpoint(hf, cfg, str(tmp_path_factory.mktemp("spread"))),
+                               dtype="float32")
+
+
+def _engine(model, tok, **kw):
+    from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+    kw = {**dict(max_model_len=64, max_num_seqs=64, max_num_batched_tokens=128, page_size=8, kv_cache_memory=1 << 24,
+                 token_buckets=(128,), seq_buckets=(64,)), **kw}
+    return LLMEngine(model.config, model.weights, tok, EngineConfig(**kw))
+
+
+def _run(eng, requests):
+    """requests: (request_id, prompt ids, SamplingParams). Returns request_id -> final RequestOutput."""
+    for rid, p, sp in requests:
+        eng.add_request(rid, p, sp)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's chi-square p-value of observed `counts` against `probs` (tokens whose expected count is below 5
+    lumped into one bin). Returns (p, degrees of freedom)."""
+    import torch
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:  # too small a remainder for its own bin: merge it into the smallest bin
+        j = int(np.argmin(exp[:-1]))
+        obs[j] += obs[-1]
+        exp[j] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64))), df
+
+
+def test_engine_samples_the_numpy_distribution(spread_model, gemma4_tokenizer):
+    """Seeded temperature / top-k / top-p / min-p requests through LLMEngine: the first token's empirical frequencies
+    match `analytic` (a float64 numpy reimplementation of vLLM's order) applied to the engine's own logits, by
+    Pearson's chi-square at significance P_FAIL per setting (so a correct sampler fails this test with probability
+    below len(ENGINE_SETTINGS) x P_FAIL = 5e-4), and no token outside the kept set is ever drawn.
+
+    The logits are `model.logits` of the prompt; that they are the engine's own is checked against the top-20
+    logprobs every request returns (to 1e-4; every request asks for them, so one sampler program serves all)."""
+    model = spread_model
+    prompt = [2, 17, 304, 99, 411, 250, 7, 380, 45]
+    logits = model.logits(np.asarray(prompt))[-1].astype(np.float64)
+    ref_lp = logits - np.logaddexp.reduce(logits)
+    probs1 = np.exp(ref_lp)
+    assert probs1.max() < 0.5 and (probs1 > 0.01).sum() >= 15, "the test needs a spread distribution"
+    reqs = []
+    for c, (t, k, p, mp) in enumerate(ENGINE_SETTINGS):
+        for i in range(ENGINE_N):
+            reqs.append((f"{c}.{i}", prompt, SamplingParams(max_tokens=1, temperature=t, top_k=k, top_p=p, min_p=mp,
+                                                            seed=c * ENGINE_N + i, ignore_eos=True, logprobs=20)))
+    done = _run(_engine(model, gemma4_tokenizer), reqs)
+    lp = done["0.0"].logprobs[0]
+    assert [t for t, _ in lp["top"]] == list(np.argsort(-logits)[:20])
+    for t, v in lp["top"]:
+        assert abs(v - ref_lp[t]) < 1e-4, (t, v, ref_lp[t])
+    for c, setting in enumerate(ENGINE_SETTINGS):
+        toks = np.array([done[f"{c}.{i}"].token_ids[0] for i in range(ENGINE_N)])
+        expect = analytic(logits, *setting)
+        counts = np.bincount(toks, minlength=len(expect))
+        assert counts[expect == 0].sum() == 0, (setting, np.nonzero(counts * (expect == 0))[0])
+        pval, df = chi_square_p(counts, expect)
+        assert pval > P_FAIL, (setting, pval, df)
+
+
+def test_seeded_request_is_the_same_in_any_batch(spread_model, gemma4_tokenizer):
+    """A seeded sampled request gives the same tokens and text alone and among other random requests (greedy,
+    seeded and unseeded sampled, other lengths), in other rows of other batches, its prompt chunked differently
+    (a 16-token budget shared with the requests queued before it; no prefix caching). One engine, so one set of
+    compiled programs."""
+    model = spread_model
+    rng = np.random.default_rng(8)
+    target = list(map(int, rng.integers(3, 512, size=23)))
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, seed=4321, ignore_eos=True)
+    eng = _engine(model, gemma4_tokenizer, max_num_seqs=6, seq_buckets=(8,), page_size=4, max_num_batched_tokens=16,
+                  token_buckets=(16,), enable_prefix_caching=False)
+    alone = _run(eng, [("alone", target, sp)])["alone"]
+    assert len(set(alone.token_ids)) > 4  # a real sample, not a repeated token
+    others = []
+    for i in range(10):
+        kind = i % 3
+        p = SamplingParams(max_tokens=int(rng.integers(4, 20)), ignore_eos=True,
+                           **({} if kind == 0 else dict(temperature=float(rng.uniform(0.5, 1.5)),
+                                                        seed=None if kind == 1 else int(rng.integers(1 << 30)))))
+        others.append((f"o{i}", list(map(int, rng.integers(3, 512, size=int(rng.integers(1, 40))))), p))
+    crowd = _run(eng, others[:3] + [("crowd", target, sp)] + others[3:])["crowd"]
+    assert (crowd.token_ids, crowd.text) == (alone.token_ids, alone.text)

@@ -55,7 +55,12 @@ GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
-def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 1.0) -> None:
+_BLOCK_END_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm.", "post_per_layer_input_norm")
+
+
+def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 1.0, block_gain: float = 1.0) -> None:
+    """Random weights; `block_gain` multiplies the norms that end each block (post-attention, post-feedforward,
+    post-PLE), so the blocks' outputs, not the token's own embedding, dominate the residual stream."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(shape, std=1.0, mean=0.0):
@@ -79,6 +84,8 @@ def _randomize(model: torch.nn.Module, seed: int, final_norm_scale: float = 1.0)
                     p.copy_(uni(shape, base - 0.5, base + 0.5))
                 else:  # Gemma 3 stores w for 1 + w; Gemma 4 stores the multiplier itself
                     p.copy_(rnd(shape, 0.3) if gemma3 else uni(shape, 0.5, 1.5))
+                    if block_gain != 1.0 and any(k in name for k in _BLOCK_END_NORMS):
+                        p.copy_((p + 1) * block_gain - 1 if gemma3 else p * block_gain)
             elif "router.scale" in name or "per_expert_scale" in name:
                 p.copy_(uni(shape, 0.5, 1.5))
             elif "embed_tokens" in name:
@@ -113,6 +120,101 @@ def build_hf(variant: str, seed: int = 0, dtype=torch.float32, **overrides):
             cfg._attn_implementation = "eager"
             model = Gemma4ForCausalLM(cfg)
     _randomize(model, seed)
+    model = model.to(dtype).eval()
+    return model, json.loads(cfg.to_json_string())
+
+
+# ---------------------------------------------------------------------------- random configs
+
+FAMILIES = ("gemma4", "gemma4_unified", "gemma3")
+# block_gain per family: the smallest found to give greedy continuations of many distinct tokens (at 1.0 every
+# family's tied embedding makes the model repeat its input token, which hides position and cache bugs)
+BLOCK_GAIN = {"gemma4": 8.0, "gemma4_unified": 8.0, "gemma3": 32.0}
+
+
+def random_text_config(rng: np.random.Generator, family: str | None = None, **overrides) -> dict:
+    """A tiny text config drawn from the whole space a config.json can describe, as HF keyword arguments plus a
+    "family" key ("gemma4" | "gemma4_unified" | "gemma3"); `build_hf_config` builds it.
+
+    Gemma 4 / unified: 2-8 layers, a periodic or an arbitrary layer_types list (the last layer full, as HF
+    forces), sliding window 4-16, 1-4 query heads over 1-2 KV heads, head dims 16/32 sliding and 32/64 full,
+    K=V full layers with their own num_global_key_value_heads, KV-shared layers (every kind the shared region uses
+    has a producer before it, as HF requires) with or without the double-wide MLP, full-layer RoPE partial
+    factor 0.25 / 0.5 / 1 or plain, final softcap on or off; gemma4 only: PLE and MoE (2-8 experts, top-k 1-E).
+    Gemma 3: arbitrary layer_types, query_pre_attn_scalar, attention and final softcaps, linear RoPE scaling."""
+    family = family or str(rng.choice(["gemma4", "gemma4", "gemma4", "gemma4_unified", "gemma3"]))
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    L = int(rng.integers(2, 9))
+    if rng.random() < 0.5:
+        types = _period(L, int(rng.integers(2, 7)))
+    else:
+        types = ["sliding_attention" if rng.random() < 0.65 else "full_attention" for _ in range(L)]
+    heads = int(rng.choice([1, 2, 4]))
+    kv = int(rng.choice([k for k in (1, 2) if heads % k == 0]))
+    hd = int(rng.choice([16, 32]))
+    cfg = dict(family=family, vocab_size=VOCAB, hidden_size=int(rng.choice([32, 64])),
+               intermediate_size=int(rng.choice([48, 96])), num_hidden_layers=L, num_attention_heads=heads,
+               num_key_value_heads=kv, head_dim=hd, sliding_window=int(rng.integers(4, 17)),
+               max_position_embeddings=4096, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    if family == "gemma3":
+        types[-1] = types[-1] if rng.random() < 0.5 else "full_attention"
+        scaling = None if rng.random() < 0.6 else {"rope_type": "linear", "factor": float(rng.choice([2.0, 8.0]))}
+        full = {"rope_type": "default", "rope_theta": 1e6, **(scaling or {})}
+        cfg.update(layer_types=types, query_pre_attn_scalar=int(rng.choice([hd, 2 * hd, hd // 2])),
+                   attn_logit_softcapping=None if rng.random() < 0.6 else float(rng.choice([20.0, 50.0])),
+                   final_logit_softcapping=None if rng.random() < 0.5 else 30.0,
+                   rope_parameters={"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        cfg.update(overrides)
+        return cfg
+    types[-1] = "full_attention"
+    partial = rng.choice([0.25, 0.5, 1.0, 0.0])
+    full = ({"rope_type": "default", "rope_theta": 1e6} if partial == 0.0 else
+            {"rope_type": "proportional", "partial_rotary_factor": float(partial), "rope_theta": 1e6})
+    # global_head_dim == head_dim is left out: transformers then saves no per-layer override at all (an empty
+    # per_layer_config), which gemmajax reads as the 512 default (tests/engine/test_vs_hf.py has that case)
+    cfg.update(layer_types=types, global_head_dim=int(rng.choice([g for g in (32, 64) if g != hd])),
+               final_logit_softcapping=None if rng.random() < 0.25 else 30.0,
+               rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})
+    if rng.random() < 0.5:  # K=V full layers with their own KV heads (without K=V HF ignores the field)
+        cfg["num_global_key_value_heads"] = int(rng.choice([k for k in (1, 2) if heads % k == 0]))
+        cfg["attention_k_eq_v"] = bool(rng.random() < 0.8)
+    shareable = [n for n in range(1, L) if set(types[:L - n]) == set(types)]
+    both = [n for n in shareable if len(set(types[L - n:])) == 2]  # shared layers reading sliding and full producers
+    if shareable and rng.random() < 0.6:
+        cfg["num_kv_shared_layers"] = int(rng.choice(both if both and rng.random() < 0.75 else shareable))
+        cfg["use_double_wide_mlp"] = bool(rng.random() < 0.5)
+    if family == "gemma4":
+        ple = int(rng.choice([0, 0, 8, 16]))
+        cfg.update(hidden_size_per_layer_input=ple, vocab_size_per_layer_input=VOCAB)
+        if rng.random() < 0.35:
+            e = int(rng.integers(2, 9))
+            cfg.update(enable_moe_block=True, num_experts=e, top_k_experts=int(rng.integers(1, e + 1)),
+                       moe_intermediate_size=int(rng.choice([16, 32])))
+    cfg.update(overrides)
+    return cfg
+
+
+def build_hf_config(text: dict, seed: int = 0, dtype=torch.float32, block_gain: float | None = None):
+    """Return (torch model, text config dict as HF saves it) for a `random_text_config` dict (eager attention,
+    weights as `_randomize` with the family's BLOCK_GAIN unless given)."""
+    kw = dict(text)
+    family = kw.pop("family")
+    if family == "gemma3":
+        from transformers import Gemma3ForCausalLM as Model
+        from transformers import Gemma3TextConfig as Config
+    elif family == "gemma4_unified":
+        from transformers.models.gemma4_unified import Gemma4UnifiedForCausalLM as Model
+        from transformers.models.gemma4_unified import Gemma4UnifiedTextConfig as Config
+    else:
+        from transformers import Gemma4ForCausalLM as Model
+        from transformers import Gemma4TextConfig as Config
+    cfg = Config(**kw)
+    cfg._attn_implementation = "eager"
+    model = Model(cfg)
+    _randomize(model, seed, block_gain=BLOCK_GAIN[family] if block_gain is None else block_gain)
     model = model.to(dtype).eval()
     return model, json.loads(cfg.to_json_string())
 
