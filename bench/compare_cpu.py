@@ -292,11 +292,12 @@ def bandwidth_fraction(r: dict, s: int, bw_gbs: float, args) -> float | None:
     return step_bytes * (tok / s) / (bw_gbs * 1e9)
 
 
-def report(results: list[dict], bw_gbs: float, args, load: tuple[float, float]) -> str:
+def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | None) -> str:
     head = ("| engine | mode | weights MB | load s | first calls s (1/16) | TTFT ms (1/16) | tok/s 1 | tok/s 16 "
             "| BW % 1 | BW % 16 | peak RSS MB |")
-    lines = [(f"load average {load[0]:.1f} -> {load[1]:.1f}; numpy-sum bandwidth {bw_gbs:.1f} GB/s (all cores; "
-              f"the BW % columns use it); "
+    lines = [(f"load average {quiet['load_before']:.2f} before the run -> {quiet['load_after']:.2f} after; "
+              f"other processes used {100 * quiet['foreign']:.1f} % of the CPUs during the run; numpy-sum bandwidth "
+              f"{bw_gbs:.1f} GB/s (all cores; the BW % columns use it); "
               f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy"),
              "", head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
@@ -315,49 +316,102 @@ def report(results: list[dict], bw_gbs: float, args, load: tuple[float, float]) 
                      f"{ttft} | {f(r.get(f'tok_s_{s1}'), '.1f')} | {f(r.get(f'tok_s_{s16}'), '.1f')} | "
                      f"{f(None if b1 is None else 100 * b1, '.0f')} | {f(None if b16 is None else 100 * b16, '.0f')} "
                      f"| {r['peak_rss_mb']:.0f} |")
-    lines += ["", *ratios(results, args)]
+    if floor:
+        lines += ["", "GEMM floor (bench/gemm_floor.py, this run: every weight GEMM of a step alone, bf16, XLA:CPU): "
+                  + "; ".join(f"{m} rows {1e3 * lay:.1f} + LM head {1e3 * lm:.1f} = {1e3 * (lay + lm):.1f} ms "
+                              f"({m / (lay + lm):.0f} tok/s bound)" for m, (lay, lm) in sorted(floor.items()))]
+    lines += ["", *targets(results, args, quiet, floor)]
     return "\n".join(lines)
 
 
-def ratios(results: list[dict], args) -> list[str]:
-    """The issue's targets as ratios (a target line says whether it is met)."""
-    ok = {(r["engine"], r["mode"]): r for r in results if "tok_s_1" in r}
+QUIET_LOAD = 0.5  # a 1-minute load average above this before the run: the figures are not measurements
+QUIET_FOREIGN = 0.05  # nor when other processes took more than this share of the CPUs during the run
+
+
+def quiet_check(load_before: float, foreign: float) -> str | None:
+    """None on a quiet machine, else why the run's figures are not measurements."""
+    why = []
+    if load_before > QUIET_LOAD:
+        why.append(f"load {load_before:.2f} before the run (> {QUIET_LOAD})")
+    if foreign > QUIET_FOREIGN:
+        why.append(f"other processes used {100 * foreign:.1f} % of the CPUs during it (> {100 * QUIET_FOREIGN:.0f} %)")
+    return "; ".join(why) or None
+
+
+def targets(results: list[dict], args, quiet: dict, floor: dict | None) -> list[str]:
+    """Issue 16's targets, each with its measured ratio and PASS / FAIL, or 'not judged' when the machine was not
+    quiet (quiet_check); then the informational ratios."""
+    ok = {(r["engine"], r["mode"]): r for r in results if "error" not in r and "skipped" not in r}
     s16 = args.streams[-1]
-    out = []
+    why = quiet_check(quiet["load_before"], quiet["foreign"])
+    rows: list[tuple[str, float | None, float]] = []  # (what, measured ratio or None if missing, needed)
+
+    def rate(r, s):
+        return None if r is None else r.get(f"tok_s_{s}")
+
+    def ratio(a, b):
+        return None if a is None or b is None or not b else a / b
+
+    ours = {m: r for (e, m), r in ok.items() if e == "gemmajax"}
+    bf = ours.get("bf16")
     hf = ok.get(("transformers", "bf16"))
-    ours = ok.get(("gemmajax", "bf16"))
-    if hf and ours:
-        for s in (1, s16):
-            if f"tok_s_{s}" in hf and f"tok_s_{s}" in ours:
-                x = ours[f"tok_s_{s}"] / hf[f"tok_s_{s}"]
-                out.append(f"gemmajax bf16 / transformers bf16 at {s} stream(s): {x:.2f}x (target >= 2x: "
-                           f"{'met' if x >= 2 else 'NOT met'})")
-    lcs = [r for r in ok.values() if r["engine"] == "llama.cpp"]
+    lcs = [r for (e, _), r in ok.items() if e == "llama.cpp" and r.get("tok_s_1")]
     lc = max(lcs, key=lambda r: r["tok_s_1"]) if lcs else None
-    quant = [r for r in ok.values() if r["engine"] == "gemmajax" and r["mode"] != "bf16"]
-    if lc and quant:
-        best1 = max(quant, key=lambda r: r["tok_s_1"])
-        x = best1["tok_s_1"] / lc["tok_s_1"]
-        out.append(f"best quantized gemmajax at 1 stream ({best1['mode']}) / llama.cpp ({lc['mode']}): {x:.2f}x "
-                   f"(target >= 1x: {'met' if x >= 1 else 'NOT met'})")
-        with16 = [r for r in quant if f"tok_s_{s16}" in r]
-        if with16:
-            best16 = max(with16, key=lambda r: r[f"tok_s_{s16}"])
-            x = best16[f"tok_s_{s16}"] / lc["tok_s_1"]
-            out.append(f"best quantized gemmajax at {s16} streams ({best16['mode']}) / llama.cpp at 1 stream: "
-                       f"{x:.2f}x (target >= 4x: {'met' if x >= 4 else 'NOT met'})")
-        every = [r for r in ok.values() if r["engine"] == "gemmajax" and f"tok_s_{s16}" in r]
-        best = max(every, key=lambda r: r[f"tok_s_{s16}"]) if every else None
-        if best is not None and best["mode"] == "bf16":
-            x = best[f"tok_s_{s16}"] / lc["tok_s_1"]
-            out.append(f"best gemmajax mode at {s16} streams (bf16) / llama.cpp at 1 stream: {x:.2f}x "
-                       f"(target >= 4x: {'met' if x >= 4 else 'NOT met'})")
-    for r in ok.values():
-        if r["engine"] == "gemmajax" and hf and r is not ours:
-            out.append(f"gemmajax {r['mode']} / transformers bf16: {r['tok_s_1'] / hf['tok_s_1']:.2f}x at 1, "
-                       + (f"{r[f'tok_s_{s16}'] / hf[f'tok_s_{s16}']:.2f}x at {s16}"
-                          if f"tok_s_{s16}" in r and f"tok_s_{s16}" in hf else ""))
+    lc_name = f"llama.cpp {lc['mode']}" if lc else "llama.cpp"
+    for mode in (m for m in MODES if m != "none"):
+        for s in (1, s16):
+            rows.append((f"gemmajax {mode} / gemmajax bf16 at {s} stream{'s' if s > 1 else ''}",
+                         ratio(rate(ours.get(mode), s), rate(bf, s)), 1.0))
+    rows.append((f"gemmajax w4a16+emb4 / {lc_name} at 1 stream", ratio(rate(ours.get("w4a16+emb4"), 1), rate(lc, 1)),
+                 1.0))
+    best1 = max(ours.values(), key=lambda r: r.get("tok_s_1") or 0) if ours else None
+    rows.append((f"best gemmajax mode at 1 stream ({best1['mode'] if best1 else '-'}) / {lc_name}",
+                 ratio(rate(best1, 1), rate(lc, 1)), 1.5))
+    floor_rate = s16 / sum(floor[s16]) if floor and s16 in floor else None
+    rows.append((f"gemmajax bf16 at {s16} streams / the GEMM floor's rate ({floor_rate or 0:.0f} tok/s)",
+                 ratio(rate(bf, s16), floor_rate), 0.85))
+    best16 = max(ours.values(), key=lambda r: r.get(f"tok_s_{s16}") or 0) if ours else None
+    rows.append((f"best gemmajax mode at {s16} streams ({best16['mode'] if best16 else '-'}) / transformers bf16",
+                 ratio(rate(best16, s16), rate(hf, s16)), 2.0))
+    for mode in (m if m != "none" else "bf16" for m in MODES):
+        if mode in ours:  # a shorter time is better: the ratio is transformers' TTFT over ours
+            rows.append((f"TTFT of {s16} prompts: transformers bf16 / gemmajax {mode}",
+                         ratio((hf or {}).get(f"ttft_s_{s16}"), ours[mode].get(f"ttft_s_{s16}")), 1.0))
+    out = [f"not a measurement: {why}; the ratios below are printed, not judged" if why else
+           f"quiet machine (load {quiet['load_before']:.2f} before the run, other processes "
+           f"{100 * quiet['foreign']:.1f} % of the CPUs): targets judged"]
+    passed = 0
+    for what, x, need in rows:
+        verdict = "missing" if x is None else "not judged" if why else "PASS" if x >= need else "FAIL"
+        passed += verdict == "PASS"
+        out.append(f"  {what}: {'-' if x is None else f'{x:.2f}x'} (target >= {need:g}x): {verdict}")
+    if not why:
+        out.append(f"{passed} of {len(rows)} targets pass")
+    if bf and floor and s16 in floor and rate(bf, s16):
+        step = s16 / rate(bf, s16)
+        out.append(f"bf16 step at {s16} streams {1e3 * step:.1f} ms / GEMM floor {1e3 * sum(floor[s16]):.1f} ms = "
+                   f"{step / sum(floor[s16]):.2f}")
+    for r in ours.values():
+        if hf and r is not bf:
+            x1, x16 = ratio(rate(r, 1), rate(hf, 1)), ratio(rate(r, s16), rate(hf, s16))
+            out.append(f"gemmajax {r['mode']} / transformers bf16: {'-' if x1 is None else f'{x1:.2f}x'} at 1, "
+                       f"{'-' if x16 is None else f'{x16:.2f}x'} at {s16}")
     return out
+
+
+def cpu_busy_s() -> float:
+    """CPU seconds every process of this machine has used since boot (busy time in /proc/stat, steal included)."""
+    with open("/proc/stat") as fh:
+        vals = [int(v) for v in fh.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    guest = sum(vals[8:10]) if len(vals) > 9 else 0  # already counted in user / nice
+    return (sum(vals) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process and its finished children have used."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> None:
@@ -376,6 +430,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="passes over all configurations (each figure keeps its best round)")
     ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--no-floor", action="store_true", help="skip the GEMM floor (bench/gemm_floor.py) measurement")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -394,9 +449,18 @@ def main() -> None:
         json.dump(prompt_ids(max(args.streams), args.prompt_tokens), fh)  # the same token ids for every engine
         args.prompts_file = fh.name
     load0 = os.getloadavg()[0]
+    print(f"load average {load0:.2f} before the run" + (f": not a measurement: load {load0:.2f} (> {QUIET_LOAD}); "
+          "running anyway, the targets will not be judged" if load0 > QUIET_LOAD else ""), flush=True)
+    busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
     bw1, bw = measure_bandwidth()
-    print(f"numpy-sum bandwidth: {bw1:.1f} GB/s one thread, {bw:.1f} GB/s all cores (load average {load0:.1f})",
-          flush=True)
+    print(f"numpy-sum bandwidth: {bw1:.1f} GB/s one thread, {bw:.1f} GB/s all cores", flush=True)
+    floor = None
+    if not args.no_floor:
+        import gemm_floor  # bench/ is on sys.path: this script runs as bench/compare_cpu.py
+        fl = gemm_floor.measure(args.model_path, rows=sorted(set(args.streams)), engines=("xla",))
+        floor = {int(m): tuple(v) for m, v in fl["xla"].items()}
+        print("GEMM floor (XLA:CPU): " + json.dumps({m: [round(1e3 * t, 2) for t in v] for m, v in floor.items()}),
+              flush=True)
     best: dict[str, dict] = {}
     for rnd in range(args.rounds):  # configurations alternate, so a busy spell of the machine hits all of them
         for cfg in configs(args):
@@ -407,17 +471,23 @@ def main() -> None:
             old = best.get(cfg)
             if old is None or "error" in old or ("error" not in r and r.get("tok_s_1", 0) > old.get("tok_s_1", 0)):
                 best[cfg] = r
-            if "error" not in r and "error" not in best[cfg]:  # the best rate of each figure over the rounds
+            if "error" not in r and "error" not in best[cfg]:  # the best of each figure over the rounds
                 for k, v in r.items():
                     if k.startswith("tok_s_"):
                         best[cfg][k] = max(best[cfg].get(k, 0), v)
+                    elif k.startswith("ttft_s_"):
+                        best[cfg][k] = min(best[cfg].get(k, float("inf")), v)
         bw1, bw = max(bw1, (b := measure_bandwidth())[0]), max(bw, b[1])
+    wall = time.perf_counter() - t0
+    foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
+    quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign}
     results = list(best.values())
-    text = report(results, bw, args, (load0, os.getloadavg()[0]))
+    text = report(results, bw, args, quiet, floor)
     print("\n" + text)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"bandwidth_gbs": bw, "results": results, "args": vars(args)}, fh, indent=1)
+            json.dump({"bandwidth_gbs": bw, "results": results, "args": vars(args), "quiet": quiet,
+                       "gemm_floor_s": floor}, fh, indent=1)
 
 
 if __name__ == "__main__":

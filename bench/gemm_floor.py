@@ -111,6 +111,31 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
     return out
 
 
+def measure(model_path: str | None = None, rows=(1, 16), reps: int = 5, rounds: int = 3,
+            engines=("xla", "torch")) -> dict:
+    """The floor for each engine and row count, each process a fresh one, rounds alternating between engines (best
+    of all rounds). Returns {"layers": [[out, in], ...], "head": [V, D], engine: {rows: (layers s, LM head s)}}."""
+    from gemmajax.model.gguf import default_model_path
+    from gemmajax.model.loader import open_checkpoint
+    cfg = open_checkpoint(model_path or default_model_path()).config
+    layer_shapes, head = shapes(cfg)
+    res: dict = {"layers": layer_shapes, "head": head, **{e: {} for e in engines}}
+    for _ in range(rounds):  # alternating rounds, best of all: other tenants of the machine come and go
+        for engine in engines:
+            spec = json.dumps({"engine": engine, "layers": layer_shapes, "head": head, "rows": list(rows),
+                               "reps": reps})
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
+                               text=True, env=env, check=False)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not line:
+                raise RuntimeError(f"gemm_floor {engine} failed: {p.stderr.strip().splitlines()[-3:]}")
+            for k, (lay, lm) in json.loads(line[-1][7:]).items():
+                old = res[engine].get(int(k), (float("inf"), float("inf")))
+                res[engine][int(k)] = (min(old[0], lay), min(old[1], lm))
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="rows per GEMM (decode streams)")
@@ -125,27 +150,12 @@ def main() -> None:
         res = fn([tuple(s) for s in spec["layers"]], tuple(spec["head"]), spec["rows"], spec["reps"])
         print("RESULT " + json.dumps(res), flush=True)
         return
-
-    from gemmajax.model.gguf import default_model_path
-    from gemmajax.model.loader import open_checkpoint
-    cfg = open_checkpoint(args.model_path or default_model_path()).config
-    layer_shapes, head = shapes(cfg)
-    res: dict = {"xla": {}, "torch": {}}
-    for _ in range(args.rounds):  # alternating rounds, best of all: other tenants of the machine come and go
-        for engine in ("xla", "torch"):
-            spec = json.dumps({"engine": engine, "layers": layer_shapes, "head": head, "rows": args.rows,
-                               "reps": args.reps})
-            env = dict(os.environ, JAX_PLATFORMS="cpu")
-            p = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True, env=env,
-                               check=False)
-            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if not line:
-                raise SystemExit(f"{engine} failed: {p.stderr.strip().splitlines()[-3:]}")
-            for k, (lay, lm) in json.loads(line[-1][7:]).items():
-                old = res[engine].get(int(k), (float("inf"), float("inf")))
-                res[engine][int(k)] = (min(old[0], lay), min(old[1], lm))
+    print(f"load average {os.getloadavg()[0]:.2f} before the run", flush=True)
+    res = measure(args.model_path, args.rows, args.reps, args.rounds)
+    layer_shapes, head = res["layers"], res["head"]
     print(f"{len(layer_shapes)} layer GEMMs + LM head {head[0]} x {head[1]}; bf16 weights "
-          f"{(sum(a * b for a, b in layer_shapes) + head[0] * head[1]) * 2 / 1e6:.0f} MB")
+          f"{(sum(a * b for a, b in layer_shapes) + head[0] * head[1]) * 2 / 1e6:.0f} MB; load average at the end "
+          f"{os.getloadavg()[0]:.2f}")
     print("| rows | XLA:CPU layers ms | XLA:CPU LM head ms | XLA:CPU step floor ms | tok/s bound | torch layers ms "
           "| torch LM head ms | torch step floor ms | tok/s bound |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in args.rows:

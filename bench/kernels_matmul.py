@@ -42,7 +42,8 @@ def main() -> None:
     a = ap.parse_args()
     skip = set(a.skip.split(","))
     rng = np.random.default_rng(0)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, load {os.getloadavg()[0]:.1f}")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, load average {os.getloadavg()[0]:.2f} (timings "
+          f"under load are relative figures, not measurements)")
     for shape in a.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
         w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
@@ -54,14 +55,13 @@ def main() -> None:
                 "int8 vector": (lambda x, q: int8_matmul_xla(x, q, form="vector"), q8, q8.nbytes),
                 "int8 int": (lambda x, q: int8_matmul_xla(x, q, form="int"), q8, q8.nbytes),
                 "int4 rows": (lambda x, q: int4_matmul_xla(x, q, form="rows"), q4, q4.nbytes),
-                "int4 shared": (lambda x, q: int4_matmul_xla(x, q, form="shared"), q4, q4.nbytes),
-                "int4 dense": (lambda x, q: int4_matmul_xla(x, q, form="dense"), q4, q4.nbytes),
+                "int4 tiles": (lambda x, q: int4_matmul_xla(x, q, form="tiles"), q4, q4.nbytes),
             }
-            forms = {k: v for k, v in forms.items() if k not in skip and not (m == 1 and k == "int4 shared")}
+            forms = {k: v for k, v in forms.items() if k not in skip}
             for name, ms in interleaved(forms, x, a.reps).items():
                 nbytes = forms[name][2]
-                print(f"in {k:6d} x out {n:6d}  M={m:3d}  {name:36s} {ms:9.2f} ms  {nbytes / ms / 1e6:6.1f} GB/s",
-                      flush=True)
+                print(f"in {k:6d} x out {n:6d}  M={m:3d}  {name:36s} {ms:9.2f} ms  {nbytes / ms / 1e6:6.1f} GB/s  "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

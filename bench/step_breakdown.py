@@ -21,7 +21,33 @@ from compare_cpu import best_of  # bench/ is on sys.path: this script runs as be
 VARIANTS = ("full", "no-head", "no-attention", "no-head-no-attention")
 
 
+def close_over_weights(weights) -> None:
+    """Make every step program of this process close over `weights` (HLO constants) instead of taking them as an
+    argument: runner.compiled_step is wrapped so that the jitted function it returns is replaced by one that calls
+    the same step function with these weights baked in (the runner's call keeps passing them; they are ignored).
+    With constants, YNNPACK packs each weight once when the program is built instead of in every call."""
+    import functools
+
+    import jax
+
+    from gemmajax.engine import runner
+    plain = runner.compiled_step
+
+    @functools.cache
+    def with_constants(*key):
+        step = plain(*key).__wrapped__  # step(weights, kv, inp), the function compiled_step jits
+
+        def baked(kv, inp):
+            return step(weights, kv, inp)
+        jitted = jax.jit(baked, donate_argnums=(0,))
+        return lambda _weights, kv, inp: jitted(kv, inp)
+
+    runner.compiled_step = with_constants
+
+
 def child(mode: str, streams: int, variant: str) -> None:
+    import resource
+
     import jax.numpy as jnp
 
     import gemmajax
@@ -35,11 +61,16 @@ def child(mode: str, streams: int, variant: str) -> None:
     path = default_model_path()
     llm = gemmajax.LLM(path, quant=mode, dtype="bfloat16", kv_dtype="bf16", max_model_len=512,
                        max_num_seqs=16, kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    if variant == "constants":
+        close_over_weights(llm.model.weights)
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     tok = gemmajax.load_tokenizer(path)
     prompts = [tok.encode(f"Once upon a time number {i} there was") for i in range(streams)]
     p1 = gemmajax.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     pn = gemmajax.SamplingParams(max_tokens=49, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
     llm.generate(prompts, pn)
+    first = time.perf_counter() - t
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
@@ -48,7 +79,38 @@ def child(mode: str, streams: int, variant: str) -> None:
         t = time.perf_counter()
         llm.generate(prompts, pn)
         best = min(best, (time.perf_counter() - t - t1) / 48)
-    print(f"RESULT {best * 1e3:.2f}", flush=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"RESULT {best * 1e3:.2f} {first:.2f} {rss_loaded:.0f} {rss:.0f}", flush=True)
+
+
+def run_child(mode: str, streams: int, variant: str, env: dict) -> list[float]:
+    """[step ms, first generate s (compiles), peak RSS MB after loading, peak RSS MB at the end] of a fresh process."""
+    p = subprocess.run([sys.executable, __file__, "--child", mode, str(streams), variant], capture_output=True,
+                       text=True, env=env, check=False)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        raise SystemExit(f"{mode} {streams} {variant} failed: {p.stderr.strip().splitlines()[-3:]}")
+    return [float(v) for v in line[-1].split()[1:]]
+
+
+def constants_table(modes: list[str], streams: list[int], rounds: int, env: dict) -> None:
+    """Weights as jit arguments (the engine today) vs closed over as HLO constants (close_over_weights), each in
+    fresh processes, alternating, `rounds` of each (best step, first call and RSS of the best round's process)."""
+    print(f"load average {os.getloadavg()[0]:.2f} before the run")
+    print("| mode | streams | step ms, args | step ms, constants | first generate s, args / constants "
+          "| peak RSS MB, args / constants |\n|---|---:|---:|---:|---:|---:|")
+    for mode in modes:
+        for s in streams:
+            best = {}
+            for _ in range(rounds):
+                for v in ("full", "constants"):
+                    r = run_child(mode, s, v, env)
+                    if v not in best or r[0] < best[v][0]:
+                        best[v] = r
+            a, c = best["full"], best["constants"]
+            print(f"| {mode} | {s} | {a[0]:.1f} | {c[0]:.1f} | {a[1]:.1f} / {c[1]:.1f} | {a[3]:.0f} / {c[3]:.0f} |",
+                  flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 def gemm_sweep() -> list[str]:
@@ -69,23 +131,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="none,w8a8+emb8", type=lambda s: s.split(","))
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--constants", action="store_true",
+                    help="compare weights as jit arguments with weights closed over as constants (step, compile, RSS)")
+    ap.add_argument("--rounds", type=int, default=2, help="--constants: fresh processes per variant (best taken)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]), args.child[2])
         return
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    if args.constants:
+        constants_table(args.modes, args.streams, args.rounds, env)
+        return
+    print(f"load average {os.getloadavg()[0]:.2f} before the run")
     print("| mode | streams | step ms | LM head ms | attention ms | rest ms |\n|---|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         for s in args.streams:
-            t = {}
-            for v in VARIANTS:
-                p = subprocess.run([sys.executable, __file__, "--child", mode, str(s), v], capture_output=True,
-                                   text=True, env=env, check=False)
-                line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-                if not line:
-                    raise SystemExit(f"{mode} {s} {v} failed: {p.stderr.strip().splitlines()[-3:]}")
-                t[v] = float(line[-1].split()[1])
+            t = {v: run_child(mode, s, v, env)[0] for v in VARIANTS}
             print(f"| {mode} | {s} | {t['full']:.1f} | {t['full'] - t['no-head']:.1f} | "
                   f"{t['full'] - t['no-attention']:.1f} | {t['no-head-no-attention']:.1f} |", flush=True)
     print("\n| bf16 GEMM M x K x N | ms | GFLOP/s |\n|---|---:|---:|")

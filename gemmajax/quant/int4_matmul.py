@@ -52,7 +52,6 @@ or "dense" (float32 activations: not measured for speed; the only float32 GEMM f
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -65,9 +64,7 @@ from gemmajax.quant.array import QuantArray
 from gemmajax.quant.int8_matmul import materialize
 from gemmajax.quant.quantize import dequantize
 
-_ROW_LOOP_MAX_M = 4  # CPU: up to this many rows, M one-row fusions beat dequantize-to-bf16 + GEMM ...
-_ROW_LOOP_MAX_M_BIG = 8  # ... and up to this many on weights of 2 MiB packed or more (measured crossovers)
-_ROW_LOOP_MIN_BYTES = 2 << 20
+_ROW_LOOP_MAX_M = 1  # CPU: "rows" for one row only; from 2 rows the dequantized tiles cost no more (measured)
 
 
 def _check(x: jax.Array, w: QuantArray) -> None:
@@ -243,116 +240,155 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
 # --- XLA paths ------------------------------------------------------------------------------------------------------
 def _round_bf16(v: jax.Array) -> jax.Array:
     """Round finite float32 to the nearest bf16 (ties to even), staying float32: the same bits as
-    v.astype(bf16).astype(f32), in four integer ops that XLA:CPU runs 1.2x faster inside the dot fusion."""
+    v.astype(bf16).astype(f32), in integer ops (for float32 scales, whose products are already rounded once)."""
     b = lax.bitcast_convert_type(v, jnp.uint32)
     b = (b + jnp.uint32(0x7FFF) + ((b >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
     return lax.bitcast_convert_type(b, jnp.float32)
 
 
+_SPLIT = 65537.0  # 2**16 + 1: Veltkamp's splitter for 24 - 16 = 8 significant bits (bf16)
+
+
+def _split_bf16(q: jax.Array, s: jax.Array) -> jax.Array:
+    """bf16(q * s) as float32, for levels q (float32 integers in -8..7) and bf16 scales s (as float32), in three
+    float ops per weight: q * s is exact (at most 12 significant bits), t = q * (s * (2**16 + 1)) (s * (2**16 + 1)
+    exact, once per group), and t - (t - q * s) is q * s rounded to 8 significant bits (Veltkamp's split), to nearest
+    with ties to even: checked for every level and every bf16 mantissa (tests/quant/test_int4_matmul.py). XLA:CPU
+    contracts t - q * s into one FMA, which gives the same bits because q * s is exact. It replaces a multiply and
+    five integer ops per weight in the inner loops of the CPU forms (module docstring)."""
+    t = q * (s * _SPLIT)
+    return t - (t - q * s)
+
+
 def _half_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
     """Biased nibbles uint8 [N, H] and their scales [N, H // group] -> float32 [N, H] holding bf16(level * s)."""
     n, h = v.shape
-    q = v.astype(jnp.float32) - 8.0
-    return _round_bf16((q.reshape(n, h // group, group) * s.astype(jnp.float32)[:, :, None]).reshape(n, h))
+    q = (v.astype(jnp.float32) - 8.0).reshape(n, h // group, group)
+    sf = s.astype(jnp.float32)[:, :, None]
+    w = _split_bf16(q, sf) if s.dtype == jnp.bfloat16 else _round_bf16(q * sf)
+    return w.reshape(n, h)
 
 
-def _one_row(x1: jax.Array, w: QuantArray, separate: bool) -> jax.Array:
-    """x1 f32 [1, in_p] (bf16 values for a bf16 model) -> f32 [1, N] in two fused matrix-vector dots over the packed
-    weight.
+def _live(w: QuantArray) -> tuple[int, int]:
+    """Columns of the low and the high half that hold real input columns (whole groups): a table padded from in 640
+    to in_p 768 (quantize_table: 128-byte rows) has halves of 384 whose high half holds 256 real columns and 128 of
+    zero padding, which the CPU forms skip (17 % of the LM head's work)."""
+    h, g = w.padded_in // 2, w.group
+    live = -(-w.in_features // g) * g
+    return min(live, h), max(live - h, 0)
 
-    separate: give this row its own copy of the weight's inputs; without it XLA merges the identical weight
-    transforms of several rows (CSE) and materializes one float32 copy of the weight for all of them."""
-    half, g2 = w.padded_in // 2, w.scale.shape[-1] // 2
-    v, s = w.values, w.scale
-    if separate:
-        x1, v, s = lax.optimization_barrier((x1, v, s))
-    lo = jnp.dot(x1[:, :half], _half_weight(v & 15, s[:, :g2], w.group).T)
-    hi = jnp.dot(x1[:, half:], _half_weight(v >> 4, s[:, g2:], w.group).T)
-    lo, hi = lax.optimization_barrier((lo, hi))  # keep the add out of the second dot's fusion
-    return lo + hi
+
+def _halves(v: jax.Array, s: jax.Array, group: int, live: tuple[int, int]) -> tuple[jax.Array, jax.Array | None]:
+    """Packed rows uint8 [N, H] and scales [N, 2H // group] -> the float32 weights of the low nibbles' first live[0]
+    columns and the high nibbles' first live[1] ([N, live[i]]; None for an empty half). Two arrays, never one
+    [N, 2H]: a concatenate in an XLA:CPU loop fusion is emitted element by element (a 640-wide dequantization ran
+    35x slower with one)."""
+    g2 = s.shape[-1] // 2
+    lo = _half_weight(v[:, :live[0]] & 15, s[:, :live[0] // group], group)
+    hi = _half_weight(v[:, :live[1]] >> 4, s[:, g2:g2 + live[1] // group], group) if live[1] else None
+    return lo, hi
+
+
+def _as_bf16(w: jax.Array) -> jax.Array:
+    """float32 holding bf16 values -> those bf16 (the high halves: exact; XLA's convert would round again, in nine
+    instructions per vector)."""
+    return lax.bitcast_convert_type((lax.bitcast_convert_type(w, jnp.uint32) >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
 def _dense_weight(w: QuantArray) -> jax.Array:
-    """float32 [N, in_p] holding bf16(level * scale) (the whole weight, materialized)."""
+    """float32 [N, in_p] holding bf16(level * scale) (the whole weight, materialized: the GPU form)."""
     g2 = w.scale.shape[-1] // 2
     return jnp.concatenate([_half_weight(w.values & 15, w.scale[:, :g2], w.group),
                             _half_weight(w.values >> 4, w.scale[:, g2:], w.group)], axis=1)
 
 
-_DENSE_CHUNK = 8192  # rows of the weight dequantized at a time by the "dense" form (bounds its f32 copy)
-_BF16_CHUNK = 4096  # rows per bf16 chunk of the "bf16" form: 5 MiB at in 640, so a chunk is still in cache for its GEMM
+def _one_row(x1: jax.Array, w: QuantArray, separate: bool) -> jax.Array:
+    """x1 f32 [1, in_p] (bf16 values for a bf16 model) -> f32 [1, N] in two fused matrix-vector dots over the packed
+    weight, one per nibble (XLA:CPU's one-row loop fusion: unpack, scale, round and multiply-add per weight, no copy).
+
+    separate: give this row its own copy of the weight's inputs; without it XLA merges the identical weight
+    transforms of several rows (CSE) and materializes one float32 copy of the weight for all of them."""
+    h, (l0, l1) = w.padded_in // 2, _live(w)
+    v, s = w.values, w.scale
+    if separate:
+        x1, v, s = lax.optimization_barrier((x1, v, s))
+    lo, hi = _halves(v, s, w.group, (l0, l1))
+    y = jnp.dot(x1[:, :l0], lo.T)
+    if hi is None:
+        return y
+    y, y_hi = lax.optimization_barrier((y, jnp.dot(x1[:, h:h + l1], hi.T)))  # keep the add out of the dots' fusions
+    return y + y_hi
+
+
+_TILE = 2048  # weight rows per tile of the GEMM forms: a bf16 tile of in 640 is 2.6 MB, dequantized into cache
 _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 
 
-def _bf16_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
-    """Packed rows uint8 [n, in_p / 2] and their scales -> bf16 [n, in_p] (exact: every int4 weight is a bf16
-    number)."""
-    g2 = s.shape[-1] // 2
-    return jnp.concatenate([_half_weight(v & 15, s[:, :g2], group),
-                            _half_weight(v >> 4, s[:, g2:], group)], axis=1).astype(jnp.bfloat16)
+def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: tuple[int, int]) -> jax.Array:
+    """x2 [M, in_p] (bf16 or float32) times one tile of packed rows v [C, in_p / 2] (scales s) -> f32 [M, C]: the
+    tile's two halves dequantized (bf16(level * scale), in x2's dtype: exact) and one GEMM per half, XLA:CPU's
+    YNNPACK GEMM (native bf16 x bf16 -> f32 for bf16 x; float32 at HIGHEST for float32 x)."""
+    h = v.shape[1]
+    lo, hi = _halves(v, s, group, live)
+    prec = None if x2.dtype == jnp.bfloat16 else lax.Precision.HIGHEST
+
+    def gemm(xs, wh):
+        wh = _as_bf16(wh) if x2.dtype == jnp.bfloat16 else wh
+        return lax.dot_general(xs, wh, _NT, precision=prec, preferred_element_type=jnp.float32)
+
+    y = gemm(x2[:, :live[0]], lo)
+    return y if hi is None else y + gemm(x2[:, h:h + live[1]], hi)
 
 
-def _bf16_chunks(xb: jax.Array, w: QuantArray) -> jax.Array:
-    """xb bf16 [M, in_p] -> f32 [M, N]: chunks of rows dequantized to bf16 and multiplied by a native bf16 x bf16 ->
-    f32 GEMM (XLA:CPU hands it to YNNPACK): the reference's products exactly, summed in another order. A loop over
-    row chunks keeps each bf16 chunk in cache (unrolled chunks were fused into one whole-table copy)."""
-    n = w.padded_out
-    if n <= _BF16_CHUNK or n % _BF16_CHUNK:
-        return lax.dot_general(xb, _bf16_weight(w.values, w.scale, w.group), _NT, preferred_element_type=jnp.float32)
-    c = n // _BF16_CHUNK
+def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE) -> jax.Array:
+    """x2 [M, in_p] -> f32 [M, N]: a loop over tiles of `tile` weight rows (_tile_product), each written into the
+    output in place; a last partial tile is done after the loop. The loop keeps one tile's dequantized copy in cache
+    (an unrolled sequence is fused by XLA into one whole-weight copy)."""
+    n, m = w.padded_out, x2.shape[0]
+    v, s, g, live = w.values, w.scale, w.group, _live(w)
+    full = n // tile
+    if full <= 1:
+        return _tile_product(x2, v, s, g, live)
+    bits = s.dtype == jnp.bfloat16  # bf16 scales are sliced as uint16: XLA:CPU widens a bf16 dynamic slice to
+    s_in = lax.bitcast_convert_type(s, jnp.uint16) if bits else s  # float32 and hoists that over the whole array
 
-    def chunk(i, yt):
-        v = lax.dynamic_slice_in_dim(w.values, i * _BF16_CHUNK, _BF16_CHUNK, 0)
-        sc = lax.dynamic_slice_in_dim(w.scale, i * _BF16_CHUNK, _BF16_CHUNK, 0)
-        part = lax.dot_general(_bf16_weight(v, sc, w.group), xb, _NT, preferred_element_type=jnp.float32)  # [C, M]
-        return lax.dynamic_update_slice_in_dim(yt, part, i * _BF16_CHUNK, 0)
+    def body(i, y):
+        vi = lax.dynamic_slice_in_dim(v, i * tile, tile, 0)
+        si = lax.dynamic_slice_in_dim(s_in, i * tile, tile, 0)
+        si = lax.bitcast_convert_type(si, jnp.bfloat16) if bits else si
+        return lax.dynamic_update_slice_in_dim(y, _tile_product(x2, vi, si, g, live), i * tile, 1)
 
-    yt = lax.fori_loop(0, c, chunk, jnp.zeros((n, xb.shape[0]), jnp.float32))
-    return yt.T
+    y = lax.fori_loop(0, full, body, jnp.zeros((m, n), jnp.float32))
+    if n > full * tile:
+        tail = _tile_product(x2, v[full * tile:], s[full * tile:], g, live)
+        y = lax.dynamic_update_slice_in_dim(y, tail, full * tile, 1)
+    return y
 
 
 def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
     """XLA w4a16 (CPU). x [..., in], w int4 QuantArray [out, in] -> [..., out] in x.dtype. form:
       "rows"   one fused matrix-vector pass per row of x, reading the packed weight (no copy of it);
-      "shared" one float32 copy of the weight, then a matrix-vector pass per row;
-      "dense"  float32 copies of 8,192-row chunks of the weight, one GEMM each;
-      "bf16"   bf16 copies of 4,096-row chunks (exact), one native bf16 GEMM (YNNPACK) each: bf16 x only;
-      "auto"   "rows" up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16" for bf16 x,
-               "dense" for float32 x (measured crossovers; module docstring).
-    The float32 forms ("rows", "shared", "dense") multiply float32 copies of the activations (bf16 values for bf16
-    x, x itself otherwise) by the bf16-valued weight: the reference's products for either dtype.
+      "tiles"  tiles of 2,048 weight rows dequantized (exactly, into the activations' dtype) and multiplied by
+               YNNPACK GEMMs: native bf16 for bf16 x, float32 for float32 x;
+      "auto"   "rows" up to _ROW_LOOP_MAX_M rows (measured crossovers; module docstring), else "tiles".
+    "bf16" and "dense" are the old names of "tiles" (bf16 x only / float32 x), kept for callers.
+    Every form multiplies the activations in their compute dtype (bf16 values for bf16 x, x itself otherwise) by
+    the bf16-valued weight with float32 sums: the reference's products for either dtype.
     """
     _check(x, w)
     xb = _pad_x(x.reshape(-1, x.shape[-1]), w)
     m = xb.shape[0]
-    act16 = xb.dtype == jnp.bfloat16
+    if form == "bf16" and xb.dtype != jnp.bfloat16:
+        raise ValueError(f"int4_matmul_xla: form 'bf16' multiplies bf16 activations, x is {x.dtype} (rounding it "
+                         f"would change the float32 model's products); use 'tiles' or 'auto'")
     if form == "auto":
-        rows_max = _ROW_LOOP_MAX_M_BIG if w.values.size >= _ROW_LOOP_MIN_BYTES else _ROW_LOOP_MAX_M
-        form = "rows" if m <= rows_max else "bf16" if act16 else "dense"
-    if form == "bf16":
-        if not act16:
-            raise ValueError(f"int4_matmul_xla: form 'bf16' multiplies bf16 activations, x is {x.dtype} (rounding it "
-                             f"would change the float32 model's products); use 'dense' or 'auto'")
-        return _finish(_bf16_chunks(xb, w), x, w)
+        form = "rows" if m <= _ROW_LOOP_MAX_M else "tiles"
+    if form in ("tiles", "bf16", "dense"):
+        return _finish(_tiles(xb, w), x, w)
+    if form != "rows":
+        raise ValueError(f"int4_matmul_xla: form must be 'auto', 'rows' or 'tiles', got {form!r}")
     x2 = materialize(xb.astype(jnp.float32))
-    if form == "rows":
-        y = jnp.concatenate([_one_row(x2[i:i + 1], w, separate=m > 1) for i in range(m)], axis=0)
-    elif form == "shared":
-        wd = lax.optimization_barrier(_dense_weight(w))
-        y = jnp.concatenate([jnp.dot(x2[i:i + 1], wd.T) for i in range(m)], axis=0)
-    elif form == "dense":
-        n = w.padded_out
-        if n > _DENSE_CHUNK and n % _DENSE_CHUNK == 0:
-            c = n // _DENSE_CHUNK
-            parts = lax.map(lambda vs: jnp.dot(x2, _dense_weight(dataclasses.replace(
-                w, values=vs[0], scale=vs[1], shape=(_DENSE_CHUNK, w.in_features))).T,
-                precision=lax.Precision.HIGHEST),
-                (w.values.reshape(c, _DENSE_CHUNK, -1), w.scale.reshape(c, _DENSE_CHUNK, -1)))
-            y = jnp.moveaxis(parts, 0, 1).reshape(m, n)
-        else:
-            y = jnp.dot(x2, _dense_weight(w).T, precision=lax.Precision.HIGHEST)
-    else:
-        raise ValueError(f"int4_matmul_xla: form must be 'auto', 'rows', 'shared', 'dense' or 'bf16', got {form!r}")
+    y = jnp.concatenate([_one_row(x2[i:i + 1], w, separate=m > 1) for i in range(m)], axis=0)
     return _finish(y, x, w)
 
 

@@ -1,5 +1,7 @@
 """w4a16: Pallas kernel (TPU interpret mode, pltpu.InterpretParams: uninitialized VMEM reads as NaN) against
 dequantize-then-matmul, bit-exact where the arithmetic is exact, and the XLA forms against the reference."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,12 +88,79 @@ def test_padded_in_and_out():
 def test_xla_forms_match_reference(m):
     x, q = _data(m, 640, 1000, seed=30 + m)
     ref = int4_matmul_ref(x, q)
-    for form in ("rows", "dense", "auto"):
+    for form in ("rows", "tiles", "auto"):
         assert _rel(jax.jit(lambda x, q, f=form: int4_matmul_xla(x, q, form=f))(x, q), ref) < 1e-5, form
     assert _rel(jax.jit(int4_matmul_gpu)(x, q), ref) < 1e-5
+
+
+@pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_xla_forms_exact(m, xdtype):
+    """Integer activations and power-of-two scales: every product and sum is exact, so each CPU form must give the
+    reference's bits whatever its order of summation (a wrong nibble, scale group or half fails)."""
     xe, qe = _exact_case(m, 640, 1000, seed=40 + m)
-    exact = int4_matmul_ref(xe.astype(jnp.float32), qe)
-    assert np.array_equal(np.asarray(jax.jit(int4_matmul_xla)(xe.astype(jnp.float32), qe)), np.asarray(exact))
+    xe = xe.astype(xdtype)
+    exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
+    for form in ("rows", "tiles", "auto"):
+        y = jax.jit(lambda x, q, f=form: int4_matmul_xla(x, q, form=f))(xe, qe)
+        assert y.dtype == xdtype and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), form
+
+
+def test_split_rounds_every_level_and_mantissa_like_dequantize():
+    """The CPU forms' dequantization (_half_weight: Veltkamp's split for bf16 scales, integer rounding for float32
+    ones), jitted for the CPU, against dequantize() (f32 product, then bf16 with ties to even), bit for bit: every
+    level -8..7 times every bf16 mantissa, at exponents 2**-60..2**60 and both signs of the scale. Ties are common
+    here (e.g. 3 x an odd mantissa), so a rounding that breaks them the wrong way fails, as does an XLA rewrite of
+    t - (t - q * s) into q * s."""
+    from gemmajax.quant.int4_matmul import _half_weight
+    mant = np.arange(128, dtype=np.uint32) << 16
+    exps = np.array([67, 100, 120, 127, 130, 150, 187], np.uint32) << 23  # 2**-60 .. 2**60
+    sbits = (exps[:, None] | mant[None, :]).reshape(-1)
+    sbits = np.concatenate([sbits, sbits | np.uint32(1 << 31)])  # negative scales too
+    scales_f32 = sbits.view(np.float32)
+    s_bf16 = jnp.asarray(scales_f32, jnp.bfloat16)  # exact: the low 16 bits are zero
+    n = scales_f32.size
+    levels = np.tile(np.arange(-8, 8, dtype=np.int32), (n, 2))  # [n, 32]: one group of each level twice
+    v = jnp.asarray((levels + 8).astype(np.uint8))
+    for sc in (s_bf16[:, None], jnp.asarray(scales_f32 * np.float32(1 + 2.0**-20))[:, None]):  # bf16 / f32 scales
+        got = np.asarray(jax.jit(_half_weight, static_argnums=2)(v, sc, 32))
+        want = (levels.astype(np.float32) * np.asarray(sc, np.float32)).astype(jnp.bfloat16).astype(np.float32)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"scale dtype {sc.dtype}"
+
+
+@pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
+def test_tiles_loop_and_tail(xdtype):
+    """n = 2 tiles of 2,048 rows + a tail of 384 (the loop, its in-place writes and the tail after it), m = 16."""
+    x, q = _data(16, 256, 2 * 2048 + 384, seed=60, xdtype=xdtype)
+    y = jax.jit(lambda x, q: int4_matmul_xla(x, q, form="tiles"))(x, q)
+    assert y.shape == (16, 4480) and y.dtype == xdtype
+    xd, wd = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(dequantize(q, jnp.float32), np.float64)
+    want, size = xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - want)
+    # float32: accumulation only; bf16: the one rounding of the output (2**-8 relative) on top
+    bound = 1e-5 * size if xdtype == jnp.float32 else 2.0**-8 * np.abs(want) + 1e-5 * size
+    assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.parametrize("inp", [640, 100])
+@pytest.mark.parametrize("form", ["rows", "tiles"])
+def test_table_padding_columns_are_never_read(inp, form):
+    """A vocabulary table pads in to a multiple of 256 (quantize_table): in 640 -> 768, whose high half holds 256
+    real columns and 128 of padding; in 100 -> 256, whose high half is all padding. The CPU forms skip those groups:
+    their scales are set to NaN here, so any form that multiplies them (even by zero activations) returns NaN, while
+    the reference (which cuts dequantize() to the real columns) does not."""
+    from gemmajax.quant import quantize_table
+    rng = np.random.default_rng(61)
+    q = quantize_table(jnp.asarray(rng.standard_normal((300, inp)) * 0.05, jnp.bfloat16), 4)
+    g2 = q.scale.shape[1] // 2
+    live_hi = max(-(-inp // 32) * 32 - q.padded_in // 2, 0) // 32
+    q = dataclasses.replace(q, scale=q.scale.at[:, g2 + live_hi:].set(jnp.nan))
+    for m in (1, 3):
+        x = jnp.asarray(rng.standard_normal((m, inp)), jnp.bfloat16)
+        y = jax.jit(lambda x, q: int4_matmul_xla(x, q, form=form))(x, q)
+        ref = int4_matmul_ref(x, q)
+        assert bool(jnp.all(jnp.isfinite(ref))) and bool(jnp.all(jnp.isfinite(y))), f"m={m}: padding was read"
+        assert _rel(y, ref) < 2**-8, m
 
 
 _F32_PATHS = {
@@ -100,7 +169,7 @@ _F32_PATHS = {
     "xla": lambda x, q: int4_matmul(x, q, "xla"),
     "pallas_interpret": lambda x, q: int4_matmul(x, q, "pallas_interpret"),
     "xla rows": lambda x, q: int4_matmul_xla(x, q, form="rows"),
-    "xla shared": lambda x, q: int4_matmul_xla(x, q, form="shared"),
+    "xla tiles": lambda x, q: int4_matmul_xla(x, q, form="tiles"),
     "xla dense": lambda x, q: int4_matmul_xla(x, q, form="dense"),
     "gpu form": int4_matmul_gpu,
 }
