@@ -21,3 +21,19 @@ def gemma4_tokenizer(gguf_file):
     """A Gemma 4 tokenizer: the real vocabulary of the GGUF with the special pieces renamed."""
     from gemmajax.tools.tokenizer import Tokenizer, gguf_to_gemma4_sp
     return Tokenizer(gguf_to_gemma4_sp(gguf_file))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop the XLA programs it compiled. XLA:CPU maps about 6 memory regions per loaded
+    executable; one process running the whole suite kept them all and crossed vm.max_map_count (65,530) about 250
+    tests in, which crashed the next compile (a segfault or abort inside backend_compile_and_load)."""
+    yield
+    import gc
+
+    import jax
+
+    from gemmajax.engine import runner
+    runner._compiled_step.cache_clear()
+    jax.clear_caches()
+    gc.collect()

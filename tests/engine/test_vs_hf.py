@@ -318,6 +318,14 @@ def kv_format_check(seed: int, tok, fmt: str, which: str = "random") -> tuple[li
 
 # ---------------------------------------------------------------------------------------------------- tests
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_cached_models():
+    """The runs are cached for the module's tests (the coverage test reuses them); free the models after it."""
+    yield
+    _result.cache_clear()
+    _loaded.cache_clear()
+
+
 @pytest.mark.parametrize("seed", FAST_SEEDS)
 def test_greedy_equals_hf_generate(seed, gemma4_tokenizer):
     problems, described, stats = _result(seed, gemma4_tokenizer)
