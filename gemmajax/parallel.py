@@ -357,6 +357,13 @@ def init_distributed(coordinator: str, num_hosts: int, host_index: int) -> None:
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_hosts, process_id=host_index)
 
 
+def shutdown_distributed() -> None:
+    """Leave a multi-host run cleanly: every process waits here for the others (a shutdown barrier), so none
+    loses the coordinator (host 0) while it is still running."""
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
+
+
 def agree_min(value: int) -> int:
     """The smallest of `value` over all processes (e.g. a KV budget measured per host: every host must plan the
     same cache, or their programs differ)."""

@@ -5,8 +5,8 @@ greedy float32 tokens at tensor_parallel_size 2 and 4 (and 3, where heads and vo
 expert parallelism equal tensor_parallel_size 1, for E2B-like (PLE, KV sharing, one KV head), 31B-like (K=V, KV
 heads 2 / 1), 26B-like (MoE) and Gemma 3 tiny models, and for w8a8; every split leaf and KV pool is held in
 pieces (no device has a whole copy); the compiled decode step has one all-reduce per attention / MLP block.
-Two processes of 2 CPU devices each (gloo) give the TP=1 tokens at TP=4, offline (both call generate) and as
-multi-host serving does it (host 0 schedules and broadcasts each step, host 1 follows).
+Two processes of 2 CPU devices each (gloo) give the TP=1 tokens at TP=4: offline (both call generate), and as
+`gemmajax serve --num-hosts 2` (host 0 answers HTTP and broadcasts each step, host 1 runs them).
 In this process: the rules on full-size presets over a v5e 2x2 topology's devices (what `gemmajax aot` uses), and
 the errors.
 
@@ -211,38 +211,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_tp1(results, ckpts, tmp_path):
-    """Two processes on 127.0.0.1 with 2 CPU devices each (jax.distributed, gloo): TP=4 over both gives the TP=1
-    greedy tokens, offline (both processes call generate) and in the serving form (host 0 schedules and
-    broadcasts every step, host 1 runs them: engine/multihost.py)."""
-    cases = [dict(name="31b/mh-offline", ckpt=ckpts["31b"], tp=4), dict(name="31b/mh-serve", ckpt=ckpts["31b"], tp=4,
-                                                                        mode="serve")]
-    cf = _write_cases(str(tmp_path / "mh.json"), cases, LONG)
-    of = str(tmp_path / "mh.out.json")
-    addr = f"127.0.0.1:{_free_port()}"
-    t0 = time.time()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.run_tp", cf, of, "--num-hosts", "2",
-                               "--host-index", str(i), "--coordinator", addr], cwd=ROOT, env=_env(2),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-    texts = []
+def _two(args_of, env, timeout=600) -> list[str]:
+    """Run two processes (host 0 and host 1) to completion; their outputs."""
+    procs = [subprocess.Popen(args_of(i), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in (0, 1)]
     try:
-        for p in procs:
-            texts.append(p.communicate(timeout=600)[0])
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(t[-4000:] for t in texts)
+
+
+def test_two_processes_equal_tp1(results, ckpts, tmp_path):
+    """Two processes on 127.0.0.1 with 2 CPU devices each (jax.distributed, gloo), both calling generate: TP=4
+    over both gives the TP=1 greedy tokens (chunked prefill included)."""
+    cf = _write_cases(str(tmp_path / "mh.json"), [dict(name="31b/mh", ckpt=ckpts["31b"], tp=4)], LONG)
+    of = str(tmp_path / "mh.out.json")
+    addr = f"127.0.0.1:{_free_port()}"
+    texts = _two(lambda i: [sys.executable, "-m", "tests.parallel.run_tp", cf, of, "--num-hosts", "2",
+                            "--host-index", str(i), "--coordinator", addr], _env(2))
     with open(of) as f:
-        out = json.load(f)
-    want = results["31b-long/tp1"]["tokens"]
-    for name in ("31b/mh-offline", "31b/mh-serve"):
-        assert out[name]["processes"] == 2 and len(out[name]["devices"]) == 4
-        assert out[name]["tokens"] == want, f"{name}: {out[name]['tokens']} != TP=1 {want}"
-        # host 0 holds 2 of the 4 shards of each split leaf
-        q = next(leaf for leaf in out[name]["leaves"] if leaf["path"] == ".layers[0].attn.q_proj")
-        assert q["num_shards"] == 2 and q["shards"] == [[q["shape"][0] // 4, q["shape"][1]]]
-    assert time.time() - t0 < 600
+        out = json.load(f)["31b/mh"]
+    assert out["processes"] == 2 and len(out["devices"]) == 4, texts[0][-3000:]
+    assert out["tokens"] == results["31b-long/tp1"]["tokens"]
+    # host 0 holds 2 of the 4 shards of each split leaf
+    q = next(leaf for leaf in out["leaves"] if leaf["path"] == ".layers[0].attn.q_proj")
+    assert q["num_shards"] == 2 and q["shards"] == [[q["shape"][0] // 4, q["shape"][1]]]
+
+
+def test_two_host_server_equals_tp1(results, ckpts, gguf_file):
+    """`gemmajax serve --tensor-parallel-size 4 --num-hosts 2 --host-index i --coordinator ADDR` on two processes:
+    host 0 answers HTTP and broadcasts every step, host 1 runs them (engine/multihost.py); the greedy completion
+    is TP=1's text; on SIGTERM host 0 releases host 1, which exits 0."""
+    import signal
+    import urllib.request
+
+    from gemmajax.tools.tokenizer import gguf_to_gemma4_sp
+    ckpt = ckpts["31b"]
+    with open(os.path.join(ckpt, "tokenizer.model"), "wb") as f:      # the server loads its tokenizer from ckpt
+        f.write(gguf_to_gemma4_sp(gguf_file))
+    port, addr = _free_port(), f"127.0.0.1:{_free_port()}"
+    flags = ["--ckpt", ckpt, "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "2",
+             "--max-num-batched-tokens", "16", "--tensor-parallel-size", "4", "--num-hosts", "2",
+             "--coordinator", addr, "--port", str(port)]
+    procs = [subprocess.Popen([sys.executable, "-m", "gemmajax.server.cli", "serve", *flags, "--host-index", str(i)],
+                              cwd=ROOT, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert all(p.poll() is None for p in procs), "a server process died at startup"
+                time.sleep(0.5)
+        body = json.dumps({"model": os.path.basename(ckpt), "prompt": LONG[0], "max_tokens": MAX_TOKENS,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        answer = json.load(urllib.request.urlopen(req, timeout=300))
+        procs[0].send_signal(signal.SIGTERM)
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert answer["choices"][0]["text"] == results["31b-long/tp1"]["texts"][0]
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert procs[1].returncode == 0, logs[1][-3000:]
+    assert "host 1: host 0 stopped after" in logs[1]
 
 
 # ---------------------------------------------------------------------------- in this process (one CPU device)

@@ -200,9 +200,11 @@ def follow_from_args(args) -> int:
     """`gemmajax serve --num-hosts N --host-index i` for i > 0: build the same LLM, then run host 0's steps until
     it stops (engine/multihost.py). Returns the exit status."""
     from gemmajax.engine.multihost import follow
+    from gemmajax.parallel import shutdown_distributed
     llm = _llm_from_args(args)
     steps = follow(llm.engine.runner)
     logger.info("host %d: host 0 stopped after %d steps", args.host_index, steps)
+    shutdown_distributed()
     return 0
 
 

@@ -144,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512, help="prefill chunk of one step")
     p.add_argument("--page-size", type=_positive, default=32)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models on a slice: split the expert stacks by expert (else along their MLP width)")
+    p.add_argument("--speculative-model", default=None,
+                   help="a gemma4_assistant drafter directory (its config.json only): compile the verify step and "
+                        "the drafter, count its weights, project speculative decoding")
+    p.add_argument("--num-speculative-tokens", type=_positive, default=4)
+    p.add_argument("--assumed-acceptance", type=float, default=0.7,
+                   help="per-draft acceptance rate the speculative projection ASSUMES (not measured)")
+    p.add_argument("--margin-mib", type=int, default=256, help="HBM kept free besides what the compiler counts")
+    p.add_argument("--proj-context", type=_positive, default=None,
+                   help="context of the projection (default max-model-len)")
+    p.add_argument("--attn-impl", default="pallas", choices=("pallas", "ref"))
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=_delegate("gemmajax.aot", "run"))
     return parser
@@ -167,13 +179,27 @@ def _delegate(module: str, func: str) -> Any:
 
 
 def run_server(app: Any, *, host: str, port: int, log_level: str = "info",
-               timeout_graceful_shutdown: float | None = 30.0) -> None:
-    """Serve `app` with uvicorn until SIGINT/SIGTERM; in-flight requests get the graceful timeout to finish."""
+               timeout_graceful_shutdown: float | None = 30.0, on_shutdown: Any = None) -> None:
+    """Serve `app` with uvicorn until SIGINT/SIGTERM; in-flight requests get the graceful timeout to finish.
+    on_shutdown: called once the server has stopped, before uvicorn re-raises the signal that stopped it (which
+    ends the process: code after this call would not run)."""
+    import contextlib
+
     import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    if on_shutdown is not None:
+                        on_shutdown()
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
-    uvicorn.Server(config).run()
+    Server(config).run()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -198,8 +224,16 @@ def _serve(args: argparse.Namespace) -> int:
         from gemmajax.server.media_fetch import make_fetcher
         engine.media_fetch = make_fetcher(domains)
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_request_bytes=args.max_request_bytes)
+
+    def release_hosts():   # stop stepping, release the other hosts from their loops (engine/multihost.py), leave
+        from gemmajax.parallel import shutdown_distributed
+        engine.shutdown()
+        engine.engine.runner.close()
+        shutdown_distributed()
+
     run_server(app, host=args.host, port=args.port, log_level=args.log_level,
-               timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+               timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+               on_shutdown=release_hosts if args.num_hosts > 1 else None)
     return 0
 
 

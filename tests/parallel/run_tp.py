@@ -7,7 +7,8 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=N (the parent test pro
     python -m tests.parallel.run_tp CASES.json OUT.json [--num-hosts H --host-index I --coordinator ADDR]
 
 CASES.json: {"prompts": [[ids...], ...], "max_tokens": n, "cases": [{"name", "ckpt", "tp", "ep", "quant",
-"hlo", "mode"}]}; mode "serve": host 0 schedules and broadcasts each step (engine/multihost.py), the others follow. OUT.json: {name: {"tokens", "leaves", "kv", "devices", "collectives"}} (written by host 0 only).
+"hlo"}]}. OUT.json: {name: {"tokens", "texts", "leaves", "kv", "devices", "processes", "collectives"}} (host 0 writes
+it). Across processes every one makes the same generate calls (the offline form of a multi-host run).
 """
 from __future__ import annotations
 
@@ -70,7 +71,6 @@ def main() -> int:
     import jax
 
     import gemmajax
-    from gemmajax.engine.multihost import follow, lead
     from gemmajax.model.gguf import default_model_path
     from gemmajax.tools.tokenizer import Tokenizer, gguf_to_gemma4_sp
 
@@ -83,15 +83,8 @@ def main() -> int:
         t0 = time.perf_counter()
         llm = gemmajax.LLM(case["ckpt"], quant=case.get("quant", "none"), tokenizer=tok,
                            tensor_parallel_size=case["tp"], enable_expert_parallel=case.get("ep", False), **ENGINE)
-        if case.get("mode") == "serve" and jax.process_index() > 0:   # multi-host serving: run host 0's steps
-            follow(llm.engine.runner)
-            continue
-        if case.get("mode") == "serve":
-            lead(llm.engine)
         outs = llm.generate(spec["prompts"], params)
-        if case.get("mode") == "serve":
-            llm.engine.runner.close()
-        r = {"tokens": [o.token_ids for o in outs], "leaves": leaf_report(llm.model.weights),
+        r = {"tokens": [o.token_ids for o in outs], "texts": [o.text for o in outs], "leaves": leaf_report(llm.model.weights),
              "kv": leaf_report(llm.engine.runner.kv), "devices": [d.id for d in jax.devices()],
              "processes": jax.process_count()}
         if case.get("hlo"):

@@ -176,3 +176,19 @@ def test_sigterm_past_grace_aborts_inflight() -> None:
     assert "[DONE]" not in text and len(text) < 100
     assert "ABORTED chatcmpl-" in out, (out, err[-2000:])
     assert "ENGINE SHUTDOWN" in out
+
+
+def test_aot_subcommand_has_every_flag_of_gemmajax_aot() -> None:
+    """`gemmajax aot` parses every flag `python -m gemmajax.aot` takes (aot.add_arguments), with the same defaults:
+    a flag added to one and not the other (e.g. --enable-expert-parallel, --speculative-model) fails here."""
+    import argparse
+
+    from gemmajax import aot
+    ref = argparse.ArgumentParser()
+    aot.add_arguments(ref)
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    ours = sub.choices["aot"]
+
+    def flags(p):
+        return {o: a.default for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert flags(ours) == flags(ref)
