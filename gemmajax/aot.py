@@ -6,7 +6,10 @@ rest) enforces the chip's HBM: a RESOURCE_EXHAUSTED compile means "does not fit"
 The programs compiled are the ones the engine runs (`programs`: the shapes of `LLMEngine.step_shapes` by the same rule,
 `step_shapes`, with its decode_only flags, each as the greedy-token and the logits variant of `runner.compiled_step`).
 The KV budget is what is left of the compiler's HBM limit after weights, the compiled steps' temporaries (measured
-with a small cache) and a margin; the cache it buys is proven by compiling the step again at that size. Speed is a
+with a small cache) and a margin; the cache it buys is proven by compiling the step again at that size. A
+checkpoint's vision / audio towers (`tower_preset`; --no-mm: text only) are held beside the text weights, so they
+come out of the KV budget, and each encoder is compiled on one of its largest inputs (`compile_encoders`); the
+encoders run in their own programs, so the peak takes the larger of a step's buffers and an encoder's. Speed is a
 roofline projection (bytes read per decode step over HBM bandwidth) and is printed as a projection, never as a
 measurement.
 """
@@ -55,6 +58,10 @@ from gemmajax.quant.gmm import row_tile  # noqa: E402
 GiB = 1 << 30
 MiB = 1 << 20
 MODELS = ("e2b", "e4b", "12b", "26b-a4b", "31b")
+# The encoders' largest inputs: soft tokens per image (what engine.chat.prepare_media asks tools.media for) and the
+# longest clip (tools.media.audio_features truncates Gemma 4 audio at 30 s).
+MAX_SOFT_TOKENS = 280
+AUDIO_SECONDS = 30.0
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNSUPPORTED, EXIT_COMPILE_ERROR = 0, 1, 2, 3
 # The programs `analyze` can compile (see `programs`): the largest all-decode step and the largest mixed step, each
 # as the engine's greedy variant (tokens out) and its logits variant.
@@ -121,6 +128,13 @@ class AotRequest:
     # that size (the last of `steps` first), then once more at the size their measured overhead allows when the
     # guess was off
     overhead_guess: int = 512 * MiB
+    # The checkpoint's vision / audio towers (model.multimodal.MultimodalConfig; `tower_preset` for a published
+    # size, None: none). mm=False (--no-mm): text only, the towers not loaded. With towers their weights are held
+    # beside the text weights and each encoder is compiled on one of its largest inputs (`encoder_program`).
+    towers: Any = None
+    mm: bool = True
+    max_soft_tokens: int = MAX_SOFT_TOKENS
+    audio_seconds: float = AUDIO_SECONDS
 
     @property
     def model_name(self) -> str:
@@ -215,6 +229,13 @@ class AotResult:
     replicated_bytes_per_chip: int = 0   # of which leaves every chip holds whole (norms, unsplittable leaves)
     draft_model: str = ""            # the drafter (speculative decoding), "" without
     draft_weight_bytes: int = 0
+    # the vision / audio towers: "vision+audio" etc., "" for none; mm False: --no-mm (text only, not loaded)
+    towers: str = ""
+    mm: bool = True
+    tower_weight_bytes: int = 0       # per chip (replicated: every chip holds the towers whole); 0 with --no-mm
+    tower_weight_bytes_skipped: int = 0   # with --no-mm: what the checkpoint's towers would hold
+    encoders: list[EncoderCompile] = field(default_factory=list)
+    peak_bytes: int = 0               # per chip: weights + held towers / drafter + KV + max(step's, encoders' extra)
     fits: bool = False
     reason: str = ""
     attn_impl: str = ""
@@ -696,7 +717,146 @@ def _compile_into(res: StepCompile, lower, target: Target) -> StepCompile:
     res.alias_bytes = int(m.alias_size_in_bytes)
     res.temp_bytes = int(m.temp_size_in_bytes)
     res.code_bytes = int(m.generated_code_size_in_bytes)
+    if isinstance(res, EncoderCompile):
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        res.flops = float((cost or {}).get("flops", 0.0))
     return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The vision / audio encoders (the towers of a multimodal checkpoint)
+# ---------------------------------------------------------------------------------------------------------------
+
+def tower_preset(model: str) -> Any:
+    """The towers a published checkpoint carries (model.multimodal.MultimodalConfig): E2B / E4B a vision tower and
+    an audio tower, 12B the unified (encoder-free) vision and audio embedders, 26B-A4B and 31B a vision tower."""
+    from gemmajax.model import audio as au
+    from gemmajax.model import vision as vi
+    from gemmajax.model.multimodal import MultimodalConfig
+
+    if model in ("e2b", "e4b"):
+        return MultimodalConfig(vision=vi.VisionConfig.preset(model), audio=au.AudioConfig.preset(model))
+    if model == "12b":
+        return MultimodalConfig(vision=vi.UNIFIED_VISION_PRESETS["12b"], audio=au.UnifiedAudioConfig())
+    if model in ("26b-a4b", "31b"):
+        return MultimodalConfig(vision=vi.VisionConfig.preset(model))
+    raise ValueError(f"model {model!r}: no tower preset; expected one of {list(MODELS)}")
+
+
+def tower_names(mm_cfg: Any) -> list[str]:
+    """'vision' / 'audio' for the towers a MultimodalConfig has, in that order."""
+    return [n for n in ("vision", "audio") if mm_cfg is not None and getattr(mm_cfg, n) is not None]
+
+
+@dataclass
+class EncoderCompile:
+    """One deviceless compile of an encoder (a tower's program, run by `model.multimodal.embed_multimodal` between
+    steps) on its largest input: bytes per chip (on a slice the towers and their inputs are replicated, as
+    `LLM` places them, and every chip runs the whole encoder)."""
+
+    name: str                 # "vision" | "audio"
+    tower: str                # the config class (VisionConfig, UnifiedVisionConfig, AudioConfig, UnifiedAudioConfig)
+    inputs: str               # what one call encodes
+    input_shape: tuple[int, ...]
+    soft_tokens: int          # rows of soft tokens the call returns (padding included)
+    weight_bytes: int = 0     # the tower's weights (held beside the text weights all along)
+    argument_bytes: int = 0   # weights + inputs
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    flops: float = 0.0        # the compiler's cost analysis
+    seconds: float = 0.0
+    pallas_calls: int = 0
+    oom: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.oom is None and self.error is None
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def extra_bytes(self) -> int:
+        """What the encoder's program needs besides its weights while it runs: inputs, outputs, temporaries, code."""
+        return self.peak_bytes - self.weight_bytes
+
+
+def encoder_program(tower: Any, max_soft_tokens: int = MAX_SOFT_TOKENS, audio_seconds: float = AUDIO_SECONDS
+                    ) -> tuple[Any, tuple[jax.ShapeDtypeStruct, ...], str, int]:
+    """The encoder call `embed_multimodal` makes for one of a tower's largest inputs: (fn(weights, *inputs), the
+    inputs' shapes, a description, soft-token rows out). Images: one of `max_soft_tokens` soft tokens (T = that x k^2
+    16x16 patches; 12B: that many merged patches); audio: one clip of `audio_seconds` through tools.media's own
+    feature extractor (Gemma 4: log-mel frames padded to AUDIO_FRAME_BUCKET as embed_multimodal pads them; 12B: raw
+    640-sample frames)."""
+    from gemmajax.model import audio as au
+    from gemmajax.model import vision as vi
+    from gemmajax.model.multimodal import AUDIO_FRAME_BUCKET
+    from gemmajax.tools import media as md
+
+    f32 = jnp.float32
+    if isinstance(tower, (vi.VisionConfig, vi.UnifiedVisionConfig)):
+        unified = isinstance(tower, vi.UnifiedVisionConfig)
+        T = max_soft_tokens if unified else max_soft_tokens * tower.pooling_kernel_size ** 2
+        fn = vi.encode_images_unified if unified else vi.encode_images
+        desc = (f"1 image of {max_soft_tokens} soft tokens ({T} "
+                f"{'merged ' if unified else ''}patches of {tower.patch_dim} values)")
+        return ((lambda w, x, p: fn(w, tower, x, p)),
+                (jax.ShapeDtypeStruct((1, T, tower.patch_dim), f32), jax.ShapeDtypeStruct((1, T, 2), jnp.int32)),
+                desc, max_soft_tokens)
+    if isinstance(tower, (au.AudioConfig, au.UnifiedAudioConfig)):
+        unified = isinstance(tower, au.UnifiedAudioConfig)
+        wave = np.zeros(round(audio_seconds * md.SAMPLING_RATE), np.float32)
+        kw = {"frame_size": tower.frame_size} if unified else {}
+        feats = md.audio_features(wave, unified=unified, **kw).features
+        n = feats.shape[0] if unified else -(-feats.shape[0] // AUDIO_FRAME_BUCKET) * AUDIO_FRAME_BUCKET
+        fn = au.encode_audio_unified if unified else au.encode_audio
+        rows = n if unified else math.ceil(math.ceil(n / 2) / 2)   # two stride-2 convolutions
+        what = "raw frames" if unified else "log-mel frames"
+        return ((lambda w, f, m: fn(w, tower, f, m)),
+                (jax.ShapeDtypeStruct((1, n, feats.shape[1]), f32), jax.ShapeDtypeStruct((1, n), jnp.bool_)),
+                f"1 clip of {audio_seconds:g} s ({n} {what} of {feats.shape[1]})", rows)
+    raise ValueError(f"encoder_program: expected a VisionConfig, UnifiedVisionConfig, AudioConfig or "
+                     f"UnifiedAudioConfig, got {type(tower).__name__}")
+
+
+def abstract_tower_weights(mm_cfg: Any, quant: str = "none", dtype: str = "bfloat16") -> Any:
+    """The towers as `LLM` loads them (model.multimodal.load_multimodal): the model dtype, norms float32, the
+    projections quantized under the text scheme's linear kind (`+embN` concerns vocabulary tables only)."""
+    from gemmajax.model.multimodal import abstract_multimodal_weights
+
+    return abstract_multimodal_weights(mm_cfg, jnp.dtype(dtype), (quant or "none").split("+")[0])
+
+
+def compile_encoders(target: Target, mm_cfg: Any, weights: Any = None, *, quant: str = "none",
+                     dtype: str = "bfloat16", max_soft_tokens: int = MAX_SOFT_TOKENS,
+                     audio_seconds: float = AUDIO_SECONDS, log=None) -> list[EncoderCompile]:
+    """Compile every tower of `mm_cfg` (a MultimodalConfig) for the target on one of its largest inputs
+    (`encoder_program`), batch 1; `weights` (a MultimodalWeights of ShapeDtypeStructs) defaults to
+    `abstract_tower_weights(mm_cfg, quant, dtype)`. Weights and inputs are placed on the target's input sharding:
+    one chip, or replicated over a slice (each chip holds the towers whole and runs the encoder on its own). Never
+    raises for an out-of-memory or lowering failure: they are recorded in the result."""
+    say = log or (lambda msg: None)
+    if weights is None:
+        weights = abstract_tower_weights(mm_cfg, quant, dtype)
+    out = []
+    for name in tower_names(mm_cfg):
+        tower, w = getattr(mm_cfg, name), target.abstract(getattr(weights, name))
+        fn, inputs, desc, rows = encoder_program(tower, max_soft_tokens, audio_seconds)
+        inputs = target.abstract(inputs)
+        res = EncoderCompile(name=name, tower=type(tower).__name__, inputs=desc, input_shape=tuple(inputs[0].shape),
+                             soft_tokens=rows, weight_bytes=chip_bytes(w))
+        say(f"compiling the {name} encoder ({res.tower}, {desc}) for {target.chip.name}:{target.topology}")
+        _compile_into(res, lambda fn=fn, w=w, inputs=inputs: jax.jit(fn).lower(w, *inputs), target)
+        say(f"  {'ok' if res.ok else 'OOM' if res.oom else 'error'} in {res.seconds:.0f} s"
+            + (f": weights {res.weight_bytes / MiB:.0f} MiB, temporaries {res.temp_bytes / MiB:.0f} MiB" if res.ok
+               else ""))
+        out.append(res)
+    return out
 
 
 def _spec(req: AotRequest, num_pages: tuple[int, ...], attn_impl: str, plan: Any = None) -> RunnerSpec:
@@ -790,6 +950,17 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     if draft_w is not None:
         res.draft_model = req.draft.name or req.draft.model_type
         res.draft_weight_bytes = tree_bytes(draft_w)
+    tower_w = None
+    if req.towers is not None:
+        res.towers = "+".join(tower_names(req.towers))
+        res.mm = req.mm
+        nbytes = tree_bytes(abstract_tower_weights(req.towers, req.quant, req.dtype))
+        if req.mm:   # replicated on a slice (LLM: plan.replicate): every chip holds them whole
+            tower_w = abstract_tower_weights(req.towers, req.quant, req.dtype)
+            res.tower_weight_bytes = nbytes
+        else:
+            res.tower_weight_bytes_skipped = nbytes
+    held = res.draft_weight_bytes + res.tower_weight_bytes   # held beside the step's arguments, per chip
     res.projection = project(cfg, w_chip, chip, req.proj_context or req.max_model_len, req.kv_dtype, tplan)
     if draft_w is not None:
         project_spec(res.projection, req.draft, draft_w, chip, req.kv_dtype, req.num_speculative_tokens,
@@ -805,21 +976,24 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     # 1. The cheap check: weights alone, or weights with the smallest useful cache, exceed the chip.
     small_plan = plan_kv(cfg, 0, seqs=1, **plan_kw)
     minimum = small_plan.minimum_bytes
-    if res.weight_bytes_per_chip + res.draft_weight_bytes + req.margin_bytes + minimum > chip.hbm_limit:
+    if res.weight_bytes_per_chip + held + req.margin_bytes + minimum > chip.hbm_limit:
+        tw = ("" if tower_w is None else f" + the {res.towers} towers {_m(res.tower_weight_bytes)}"
+              f"{' (replicated on every chip)' if tplan is not None else ''} (--no-mm leaves them out)")
         if draft_w is not None:
-            res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + the drafter's {_g(res.draft_weight_bytes)}"
+            res.reason = (f"does not fit: weights {_g(res.weight_bytes)}{tw} + the drafter's "
+                          f"{_g(res.draft_weight_bytes)}"
                           f" + margin {_g(req.margin_bytes)} + the KV of one {req.max_model_len}-token sequence "
                           f"({_g(minimum)}) exceed the {chip.name} compiler limit of {_g(chip.hbm_limit)} (decided "
                           f"without compiling)")
         elif tplan is None:
-            res.reason = (f"does not fit: weights {_g(res.weight_bytes)} + margin {_g(req.margin_bytes)} + the KV "
+            res.reason = (f"does not fit: weights {_g(res.weight_bytes)}{tw} + margin {_g(req.margin_bytes)} + the KV "
                           f"of one {req.max_model_len}-token sequence ({_g(minimum)}) exceed the {chip.name} "
                           f"compiler limit of {_g(chip.hbm_limit)} (decided without compiling)")
         else:
             one_seq = plan_kv(cfg, 0, seqs=1, **dict(plan_kw, plan=None)).minimum_bytes
             res.reason = (f"does not fit: per chip, weights {_g(res.weight_bytes_per_chip)} (of "
                           f"{_g(res.weight_bytes)} over {n_chips} chips, {_g(res.replicated_bytes_per_chip)} of it "
-                          f"replicated) + margin {_g(req.margin_bytes)} + its share of the KV of one "
+                          f"replicated){tw} + margin {_g(req.margin_bytes)} + its share of the KV of one "
                           f"{req.max_model_len}-token sequence ({_g(minimum)} of {_g(one_seq)}) exceed the "
                           f"{chip.name} compiler limit of {_g(chip.hbm_limit)} per chip (decided without compiling)")
         return res
@@ -830,6 +1004,26 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     impl, why = _attn_impl(req)
     if why:
         res.notes.append(f"attention compiled with the jnp reference path (impl='ref'): {why}")
+    enc_extra = 0
+    if tower_w is not None:
+        res.encoders = compile_encoders(target, req.towers, tower_w, max_soft_tokens=req.max_soft_tokens,
+                                        audio_seconds=req.audio_seconds, log=say)
+        for e in res.encoders:
+            if e.error:
+                res.reason = f"compile error in the {e.name} encoder ({e.tower}): {e.error.splitlines()[0][:500]}"
+                return res
+            if e.oom:
+                res.reason = f"does not fit: the {e.name} encoder ({e.tower}, {e.inputs}) does not compile: {e.oom}"
+                return res
+        enc_extra = max(e.extra_bytes for e in res.encoders)
+        res.notes.append("the encoders run in their own programs between steps, so the peak counts the weights, the "
+                         "towers and the cache once plus the larger of the step's buffers and the largest encoder's "
+                         "(temporaries, inputs, outputs, code), not their sum; each encoder is compiled at batch 1 "
+                         "(same-shape images of one step run as one batch, whose buffers grow with it)")
+        if tplan is not None:
+            res.notes.append(f"the towers and their encoders are counted replicated per chip (as LLM places them on "
+                             f"a slice: each of the {n_chips} chips holds the towers whole and runs every encoder "
+                             f"whole)")
     progs = programs(req)
     steps = list(dict.fromkeys(req.steps + (SPEC_STEPS if draft_w is not None and req.steps == STEPS else ())))
     unknown = [x for x in steps if x not in progs]
@@ -896,11 +1090,12 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                               else f"does not fit: the drafter's step with the smallest cache does not compile: "
                                    f"{c.oom}")
                 return res
-        # weights (the target's and the drafter's) are held once; each program adds its own buffers
-        overhead = (res.weight_bytes_per_chip + res.draft_weight_bytes
-                    + max(c.overhead_bytes - c.weight_bytes for c in res.compiles))
+        # weights (the target's, the drafter's, the towers) are held once; each program adds its own buffers, and
+        # the programs run one at a time: the encoders' buffers come instead of a step's, not on top of them
+        overhead = (res.weight_bytes_per_chip + held
+                    + max([c.overhead_bytes - c.weight_bytes for c in res.compiles] + [enc_extra]))
     else:  # no measurements: every step is compiled at full size, the last given first
-        overhead = res.weight_bytes_per_chip + req.overhead_guess
+        overhead = res.weight_bytes_per_chip + held + max(req.overhead_guess, enc_extra)
         order = [steps[-1]] + steps[:-1]
 
     # 3. The KV budget and the cache it buys; 4. prove it by compiling at that size (shrink on an OOM, twice).
@@ -940,7 +1135,8 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     if not req.probe:
         # Fast mode sized the cache from a guess; with the proof's own overhead known, one more round takes the
         # rest of the chip when the guess left a visible amount unused (or shrinks it when the margin was eaten).
-        exact = chip.hbm_limit - req.margin_bytes - proof.overhead_bytes
+        exact = chip.hbm_limit - req.margin_bytes - held - max(proof.overhead_bytes,
+                                                               proof.weight_bytes + enc_extra)
         if abs(exact - budget) > max(256 * MiB, budget // 20):
             better = plan_kv(cfg, exact, **plan_kw)
             if better.fits:
@@ -953,13 +1149,23 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                                      f"{(top.oom or top.error or '')[:200]}); kept the first proven size")
         res.compiles.extend(proved)
     res.attn_impl = impl
-    if proof.peak_bytes + res.draft_weight_bytes > chip.hbm_limit:
-        res.reason = (f"does not fit: the proof's peak {_g(proof.peak_bytes)} + the drafter's weights "
-                      f"{_g(res.draft_weight_bytes)} exceed {_g(chip.hbm_limit)}")
+    # the step at full size, or the largest encoder beside the same weights and cache, whichever needs more
+    enc_peak = proof.weight_bytes + proof.kv_bytes + enc_extra if res.encoders else 0
+    res.peak_bytes = max(proof.peak_bytes, enc_peak) + held
+    if res.peak_bytes > chip.hbm_limit:
+        what = [f"the proof's peak {_g(proof.peak_bytes)}"]
+        if res.encoders and enc_peak > proof.peak_bytes:
+            what = [f"the weights and cache {_g(proof.weight_bytes + proof.kv_bytes)} with the largest encoder's "
+                    f"buffers {_g(enc_extra)}"]
+        if res.draft_weight_bytes:
+            what.append(f"the drafter's weights {_g(res.draft_weight_bytes)}")
+        if res.tower_weight_bytes:
+            what.append(f"the towers' weights {_g(res.tower_weight_bytes)}")
+        res.reason = f"does not fit: {' + '.join(what)} exceed {_g(chip.hbm_limit)}"
         return res
     res.fits = True
-    if chip.hbm_limit - proof.peak_bytes - res.draft_weight_bytes < req.margin_bytes:
-        res.notes.append(f"the compiled peak leaves {_g(chip.hbm_limit - proof.peak_bytes)} of the "
+    if chip.hbm_limit - res.peak_bytes < req.margin_bytes:
+        res.notes.append(f"the compiled peak leaves {_g(chip.hbm_limit - res.peak_bytes)} of the "
                          f"{_g(req.margin_bytes)} margin")
     res.kv_cache_bytes = plan.logical_bytes
     res.kv_cache_bytes_per_chip = plan.cache_bytes
@@ -982,6 +1188,14 @@ def analyze(req: AotRequest, log=None) -> AotResult:
                       f"{', expert parallel' if req.expert_parallel else ''}) with a {_g(plan.logical_bytes)} KV "
                       f"cache ({_g(plan.cache_bytes)} per chip), peak {_g(proof.peak_bytes)} per chip of "
                       f"{_g(chip.hbm_limit)}")
+    if res.encoders:
+        big = max(res.encoders, key=lambda e: e.extra_bytes)
+        res.reason += (f"; the {res.towers} towers' weights {_m(res.tower_weight_bytes)} held beside"
+                       f"{' (replicated on every chip)' if tplan is not None else ''} and their encoders compile (the "
+                       f"{big.name} encoder's buffers {_m(big.extra_bytes)}, "
+                       f"{'under' if enc_peak <= proof.peak_bytes else 'over'} the step's "
+                       f"{_m(proof.peak_bytes - proof.weight_bytes - proof.kv_bytes)}): peak {_g(res.peak_bytes)}"
+                       f"{' per chip' if tplan is not None else ''}")
     if req.probe and len(steps) > 1:
         other = [c.step for c in res.compiles if c.step not in (proof.step, "draft")]
         res.notes.append(f"{', '.join(other)} need less HBM besides the cache than {proof.step} (same weights and "
@@ -998,6 +1212,10 @@ def analyze(req: AotRequest, log=None) -> AotResult:
 
 def _g(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def _m(n: float) -> str:
+    return f"{n / MiB:.1f} MiB"
 
 
 def format_report(r: AotResult) -> str:
@@ -1025,6 +1243,18 @@ def format_report(r: AotResult) -> str:
         lines.append(f"  drafter         {r.draft_model}: weights {_g(r.draft_weight_bytes)} (bf16, held beside the "
                      f"target's; every target step also returns its hidden state for it)")
     per = " per chip" if slice_ else ""
+    if r.towers and not r.mm:
+        lines.append(f"  towers          text only (--no-mm): the {r.towers} towers are not loaded and no encoder is "
+                     f"compiled (they would hold {_m(r.tower_weight_bytes_skipped)}{per})")
+    elif r.towers:
+        lines.append(f"  towers          {r.towers}: weights {_m(r.tower_weight_bytes)}{per} (held beside the text "
+                     f"weights" + (", replicated on every chip" if slice_ else "") + "; --no-mm leaves them out)")
+    for e in r.encoders:
+        if e.ok:
+            lines.append(f"  encoder {e.name:<7} {e.tower}, {e.inputs} -> {e.soft_tokens} soft tokens: weights "
+                         f"{_m(e.weight_bytes)}, temporaries {_m(e.temp_bytes)}{per}, inputs+outputs+code "
+                         f"{_m(e.extra_bytes - e.temp_bytes)}, {e.flops / 1e9:.1f} GFLOP, "
+                         f"{e.pallas_calls} Pallas kernel calls (compiled in {e.seconds:.0f} s)")
     for c in r.compiles:
         if c.ok:
             lines.append(f"  {c.step:<15} T={c.tokens} S={c.seqs}{' decode-only' if c.decode_only else ''}"
@@ -1040,8 +1270,13 @@ def format_report(r: AotResult) -> str:
         lines += [
             f"  KV cache        {_g(r.kv_cache_bytes)}  pages {r.kv_pages}"
             + (f"; per chip {_g(r.kv_cache_bytes_per_chip)}" if slice_ else ""),
-            f"  total           {_g(p.peak_bytes)}{per} of {_g(r.hbm_limit)} (proof: {p.step} compiled at full "
-            f"size, temporaries {_g(p.temp_bytes)}{per})",
+            f"  total           {_g(r.peak_bytes or p.peak_bytes)}{per} of {_g(r.hbm_limit)} (proof: {p.step} "
+            f"compiled at full size, temporaries {_g(p.temp_bytes)}{per}"
+            + (f"; + held beside it: the drafter {_g(r.draft_weight_bytes)}" if r.draft_weight_bytes else "")
+            + (f"; + the towers {_m(r.tower_weight_bytes)}, the largest encoder's buffers "
+               f"{_m(max(e.extra_bytes for e in r.encoders))} in place of the step's "
+               f"{_m(p.peak_bytes - p.weight_bytes - p.kv_bytes)} (the larger counts, not the sum)"
+               if r.encoders else "") + ")",
             f"  KV bytes/token  ours {r.kv_bytes_per_token_ours / 1024:.1f} KiB at {r.max_model_len} tokens "
             f"(windowed sliding layers, KV sharing) | vLLM-TPU-style {r.kv_bytes_per_token_vllm / 1024:.1f} KiB",
             f"  KV tokens       ours {r.kv_tokens:,} ({r.kv_seqs_at_max_len:.1f} sequences of {r.max_model_len} "
@@ -1095,18 +1330,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--assumed-acceptance", type=float, default=0.7,
                    help="per-draft acceptance rate the speculative projection ASSUMES (not measured)")
+    p.add_argument("--no-mm", action="store_true",
+                   help="text only: leave the checkpoint's vision / audio towers out (not loaded, no encoder "
+                        "compiled), as serve runs a GGUF or a `gemmajax quantize` directory; serve loads them from an "
+                        "HF checkpoint whatever --limit-mm-per-prompt says")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
-def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None, draft: Any = None) -> AotRequest:
+def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None, draft: Any = None,
+                      towers: Any = None) -> AotRequest:
     """An AotRequest from parsed flags; flags the caller's parser lacks take their defaults. `draft`: an
-    AssistantConfig replacing --speculative-model (tests)."""
+    AssistantConfig replacing --speculative-model (tests). The towers: `towers` (a MultimodalConfig, tests), else
+    the preset's (`tower_preset`) when `cfg` is the preset's, else none."""
     def get(name, default):
         v = getattr(args, name, None)
         return default if v is None else v
 
     if cfg is None:
         cfg = ModelConfig.preset(args.model)
+        if towers is None:
+            towers = tower_preset(args.model)
     path = get("speculative_model", None)
     if draft is None and path is not None:
         from gemmajax.model.assistant import AssistantConfig
@@ -1123,16 +1366,18 @@ def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None, 
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 512),
         page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,
         proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"), draft=draft,
-        num_speculative_tokens=get("num_speculative_tokens", 4), assumed_acceptance=get("assumed_acceptance", 0.7))
+        num_speculative_tokens=get("num_speculative_tokens", 4), assumed_acceptance=get("assumed_acceptance", 0.7),
+        towers=towers, mm=not get("no_mm", False))
 
 
-def run(args: argparse.Namespace, cfg: ModelConfig | None = None, out=None, draft: Any = None) -> int:
+def run(args: argparse.Namespace, cfg: ModelConfig | None = None, out=None, draft: Any = None,
+        towers: Any = None) -> int:
     """`gemmajax aot`: print the report (or JSON with --json). Returns 0 when it fits, 1 when it does not, 2 for an
     unsupported request, 3 for a compile failure that is not about memory. `cfg` replaces the preset, `draft` (an
-    AssistantConfig) the --speculative-model directory (tests)."""
+    AssistantConfig) the --speculative-model directory, `towers` (a MultimodalConfig) the preset's towers (tests)."""
     out = out or sys.stdout
     try:
-        req = request_from_args(args, cfg, draft)
+        req = request_from_args(args, cfg, draft, towers)
         as_json = bool(getattr(args, "json", False))
         log = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
         res = analyze(req, log=log)

@@ -571,3 +571,160 @@ def test_drafter_errors_are_unsupported(capsys):
     assert "only 1x1 is compiled" in capsys.readouterr().err
     assert aot.run(args(speculative_model="/nonexistent")) == aot.EXIT_UNSUPPORTED
     assert "no config.json" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- vision / audio towers
+
+def tiny_towers():
+    """A vision tower (2 layers of width 64, 4x4 patches, clipped linears) and an audio tower (2 conformer layers of
+    width 64), both projecting to tiny_cfg's width 256."""
+    from gemmajax.model import audio as au
+    from gemmajax.model import vision as vi
+    from gemmajax.model.multimodal import MultimodalConfig
+
+    return MultimodalConfig(
+        vision=vi.VisionConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                               head_dim=32, patch_size=4, position_embedding_size=128, use_clipped_linears=True,
+                               text_hidden_size=256),
+        audio=au.AudioConfig(hidden_size=64, num_layers=2, num_heads=2, output_proj_dims=64, text_hidden_size=256))
+
+
+def _tower_bytes_by_hand(tower) -> int:
+    """bf16 tensors of the checkpoint's tower, norms (and standardization buffers) float32 as the loader keeps them."""
+    return sum(math.prod(s) * (4 if "norm" in n or n.endswith(("std_bias", "std_scale")) else 2)
+               for n, s in tower.param_shapes().items())
+
+
+def test_tower_presets_are_the_checkpoints():
+    """Which towers each published size carries, projecting to its text width; their bytes from the tensor list."""
+    from gemmajax.model import audio as au
+    from gemmajax.model import vision as vi
+
+    want = {"e2b": (vi.VisionConfig, au.AudioConfig), "e4b": (vi.VisionConfig, au.AudioConfig),
+            "12b": (vi.UnifiedVisionConfig, au.UnifiedAudioConfig), "26b-a4b": (vi.VisionConfig, type(None)),
+            "31b": (vi.VisionConfig, type(None))}
+    for model in aot.MODELS:
+        t = aot.tower_preset(model)
+        assert (type(t.vision), type(t.audio)) == want[model], model
+        D = ModelConfig.preset(model).hidden_size
+        assert all(getattr(t, n).text_hidden_size == D for n in aot.tower_names(t)), model
+    e2b = aot.tower_preset("e2b")
+    w = aot.abstract_tower_weights(e2b)
+    assert aot.tree_bytes(w.vision) == _tower_bytes_by_hand(e2b.vision)
+    assert aot.tree_bytes(w) == _tower_bytes_by_hand(e2b.vision) + _tower_bytes_by_hand(e2b.audio)
+    # under w8a8 (+emb4: tables only) the projections are int8 with per-row scales, as load_multimodal makes them
+    assert aot.tree_bytes(aot.abstract_tower_weights(e2b, "w8a8+emb4")) < 0.6 * aot.tree_bytes(w)
+
+
+def test_encoder_programs_take_the_largest_inputs():
+    """280 soft tokens per image (x 9 patches; the 12B's merged patches 1:1); 30 s of audio: 2,999 log-mel frames
+    padded to 3,072 (768 soft-token rows, 750 of them valid), the 12B's 750 raw 640-sample frames."""
+    for model, vision, audio in (("e2b", (1, 2520, 768), (1, 3072, 128)), ("12b", (1, 280, 6912), (1, 750, 640))):
+        t = aot.tower_preset(model)
+        _, (x, p), desc, rows = aot.encoder_program(t.vision)
+        assert (x.shape, p.shape, rows) == (vision, vision[:2] + (2,), 280) and "280 soft tokens" in desc
+        _, (f, m), desc, rows = aot.encoder_program(t.audio)
+        assert (f.shape, m.shape) == (audio, audio[:2]) and "30 s" in desc
+        assert rows == (768 if model == "e2b" else 750)
+    with pytest.raises(ValueError, match="expected a VisionConfig, .* got ModelConfig"):
+        aot.encoder_program(tiny_cfg())
+
+
+def test_towers_in_the_cheap_check_and_no_mm():
+    """31B bf16 on a v5e is decided without compiling; its vision tower's bytes are in the sum, and --no-mm takes
+    them out (and says what they would have held)."""
+    out = io.StringIO()
+    assert aot.run(args(model="31b", chip="v5e", json=True), out=out) == aot.EXIT_DOES_NOT_FIT
+    r = json.loads(out.getvalue())
+    tower = _tower_bytes_by_hand(aot.tower_preset("31b").vision)
+    assert (r["towers"], r["mm"], r["tower_weight_bytes"], r["encoders"]) == ("vision", True, tower, [])
+    assert f"57.18 GiB + the vision towers {tower / 2**20:.1f} MiB (--no-mm" in r["reason"]
+    assert "decided without compiling" in r["reason"]
+    out = io.StringIO()
+    assert aot.run(args(model="31b", chip="v5e", no_mm=True), out=out) == aot.EXIT_DOES_NOT_FIT
+    text = out.getvalue()
+    assert "text only (--no-mm): the vision towers are not loaded" in text and f"{tower / 2**20:.1f} MiB" in text
+    assert "towers" not in text.splitlines()[-1]
+
+
+def test_cli_aot_takes_no_mm():
+    from gemmajax.server import cli
+
+    assert cli.main(["aot", "--model", "31b", "--chip", "v5e", "--no-mm"]) == aot.EXIT_DOES_NOT_FIT
+
+
+def _tiny_tower_runs(probe: bool):
+    """The tiny model with tiny_towers for v5e, and the same request with --no-mm; the checks both modes share: each
+    encoder compiles (weights = its tensors by hand), the towers' bytes come out of the KV budget exactly, the report
+    and JSON name each encoder; --no-mm compiles none and keeps the bytes."""
+    towers = tiny_towers()
+    a = args(kv_dtype="bf16", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64)
+    req = dataclasses.replace(aot.request_from_args(a, cfg=tiny_cfg(), towers=towers), steps=("prefill-greedy",),
+                              max_soft_tokens=70, audio_seconds=0.5, probe=probe, overhead_guess=64 << 20)
+    r = aot.analyze(req)
+    assert r.fits, r.reason
+    vision, audio = _tower_bytes_by_hand(towers.vision), _tower_bytes_by_hand(towers.audio)
+    assert r.tower_weight_bytes == vision + audio
+    enc = {e.name: e for e in r.encoders}
+    assert list(enc) == ["vision", "audio"] and all(e.ok for e in enc.values())
+    assert (enc["vision"].weight_bytes, enc["audio"].weight_bytes) == (vision, audio)
+    assert enc["vision"].input_shape == (1, 70 * 9, 48) and enc["vision"].soft_tokens == 70
+    assert enc["audio"].input_shape == (1, 128, 128) and enc["audio"].soft_tokens == 32   # 0.5 s: 49 frames -> 128
+    for e in enc.values():   # the program takes the tower and its inputs; it has work to do
+        assert e.argument_bytes >= e.weight_bytes + math.prod(e.input_shape) * 4 and e.temp_bytes > 0
+        assert e.flops > 2 * 2 * 64 * 64 * e.soft_tokens
+    text_only = aot.analyze(dataclasses.replace(req, mm=False))
+    assert text_only.fits and text_only.encoders == [] and text_only.tower_weight_bytes == 0
+    assert text_only.tower_weight_bytes_skipped == vision + audio
+    assert text_only.kv_budget_bytes - r.kv_budget_bytes == vision + audio
+    # the proof's program holds the text weights and the cache; the towers are held beside it
+    p = r.proof
+    assert r.peak_bytes == p.peak_bytes + vision + audio <= aot.CHIPS["v5e"].hbm_limit
+    assert p.weight_bytes == r.weight_bytes_per_chip
+    text = aot.format_report(r)
+    for name, tower in (("vision", "VisionConfig"), ("audio", "AudioConfig")):
+        line = next(x for x in text.splitlines() if x.startswith(f"  encoder {name}"))
+        assert tower in line and f"temporaries {enc[name].temp_bytes / 2**20:.1f} MiB" in line, line
+    assert "not their sum" in text and "towers" in text.splitlines()[-1]
+    j = json.loads(json.dumps(r.to_json()))
+    assert [e["name"] for e in j["encoders"]] == ["vision", "audio"] and j["tower_weight_bytes"] == vision + audio
+    assert "encoder" not in aot.format_report(text_only).replace("no encoder", "")
+    return r, text_only
+
+
+@needs_libtpu
+def test_tiny_encoders_compile_for_v5e():
+    """compile_encoders alone (no text step): both tiny encoders compile deviceless, their weights are the towers'
+    tensors by hand, their programs take those weights and inputs and do at least their projections' FLOPs."""
+    towers = tiny_towers()
+    target = aot.Target.create("v5e")
+    encs = aot.compile_encoders(target, towers, max_soft_tokens=70, audio_seconds=0.5)
+    assert [(e.name, e.tower) for e in encs] == [("vision", "VisionConfig"), ("audio", "AudioConfig")]
+    for e, tower in zip(encs, (towers.vision, towers.audio)):
+        assert e.ok, e.oom or e.error
+        assert e.weight_bytes == _tower_bytes_by_hand(tower)
+        assert e.argument_bytes >= e.weight_bytes + math.prod(e.input_shape) * 4 and e.temp_bytes > 0
+        assert e.flops >= 2 * e.soft_tokens * 256 * 64    # at least the final projection to the text width
+
+
+@pytest.mark.slow   # two step compiles and two encoders: ~45 s on two loaded cores
+@needs_libtpu
+def test_tiny_towers_come_out_of_the_kv_budget_fast_mode():
+    """One compile per program (probe=False, a 64 MiB overhead guess above both encoders' buffers): the budget is
+    the chip less weights, towers, the guess and the margin, so --no-mm gives exactly the towers back."""
+    r, _ = _tiny_tower_runs(probe=False)
+    assert len(r.compiles) == 1 and max(e.extra_bytes for e in r.encoders) < 64 << 20
+
+
+@pytest.mark.slow   # four step compiles and two encoders: ~80 s on two loaded cores
+@needs_libtpu
+def test_tiny_towers_come_out_of_the_kv_budget():
+    """The default path (every step probed with a small cache, then proven): the encoders' buffers are under the
+    step's (the programs run one at a time, so only the larger counts), and the towers' bytes alone leave the
+    budget."""
+    r, _ = _tiny_tower_runs(probe=True)
+    step_extra = max(c.overhead_bytes - c.weight_bytes for c in r.compiles if c is not r.proof)
+    enc_extra = max(e.extra_bytes for e in r.encoders)
+    assert enc_extra < step_extra, (enc_extra, step_extra)
+    assert r.kv_budget_bytes == (aot.CHIPS["v5e"].hbm_limit - r.margin_bytes - r.weight_bytes - r.tower_weight_bytes
+                                 - step_extra)

@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proj-context", type=_positive, default=None,
                    help="context of the projection (default max-model-len)")
     p.add_argument("--attn-impl", default="pallas", choices=("pallas", "ref"))
+    p.add_argument("--no-mm", action="store_true",
+                   help="text only: leave the checkpoint's vision / audio towers out (not loaded, no encoder compiled)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=_delegate("gemmajax.aot", "run"))
     return parser
