@@ -457,7 +457,14 @@ class LLMEngine:
                 if st.thought is not None:
                     st.thought.advance(tok)
                 if st.constraint is not None and not st.constraint.is_done():
-                    st.constraint.advance(tok)
+                    try:
+                        st.constraint.advance(tok)
+                    except ValueError as e:   # only if its mask allowed nothing (e.g. a tokenizer larger than
+                        if not seq.is_finished:   # the model's vocabulary): this request fails, the others go on
+                            seq.error = (f"request {seq.request_id!r}: {str(e).splitlines()[0]} (its mask left no "
+                                         f"token of the model's {self.model_config.vocab_size}-token vocabulary)")
+                            self.scheduler.finish(seq, "error")
+                        break
                     if st.constraint.is_done() and not seq.is_finished:
                         self.scheduler.finish(seq, "stop")   # the grammar admits nothing more
             if seq.seq_id in lp_rows:

@@ -283,3 +283,61 @@ def test_spec_stats_on_metrics(model, gemma4_tokenizer):
     assert st["num_accepted_tokens"] > 0
     for key, value in st.items():
         assert f"gemmajax_spec_decode_{key}_total {float(value)}" in text, key
+
+
+@pytest.fixture(scope="module")
+def real_vocab_model(tmp_path_factory):
+    """E2B-like over the real 262,144-token vocabulary (a grammar's tokens must exist in the model's vocabulary)."""
+    from tests.golden.hf_models import REAL_VOCAB, VARIANTS, build_hf_config
+    m, cfg = build_hf_config(dict(VARIANTS["e2b"], family="gemma4", vocab_size=REAL_VOCAB,
+                                  vocab_size_per_layer_input=REAL_VOCAB), seed=7)
+    return gemmajax.load_model(save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("spec_rv"))), "float32")
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "b": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 6}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma4_tokenizer, kv_dtype):
+    """n-gram drafting under a JSON schema (drafts the grammar forbids are cut, the rest verified under its masks)
+    and over fp8 pages (the verify step writes and reads them as decoding does): greedy and seeded sampled tokens
+    equal the same engine without drafting, every constrained output that stopped parses and fits the schema, and
+    drafts were accepted (so the paths ran)."""
+    import json
+    # the constrained requests' prompts hold answers of the schema's shape, so n-gram drafting has text to copy
+    shots = ['{"a":12,"b":["yy","x"]}\n{"a":3,"b":["x"]}\n', '{"a":70,"b":[]}\n', '{"a":5,"b":["x","x","yy"]}\n']
+    prompts = [p if i % 2 == 0 else gemma4_tokenizer.encode(shots[i // 2] * 2)
+               for i, p in enumerate(_prompts(3, 6))]
+    params = [SamplingParams(max_tokens=40, json_schema=SCHEMA, temperature=0.0 if i % 4 == 1 else 1.0, seed=i)
+              if i % 2 else
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0 if i % 3 else 0.8, seed=50 + i)
+              for i in range(6)]
+    spec = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    want, _, _ = _run(real_vocab_model, gemma4_tokenizer, prompts, params, kv_dtype=kv_dtype)
+    got, _, accepts = _run(real_vocab_model, gemma4_tokenizer, prompts, params, spec, kv_dtype=kv_dtype)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stopped = 0
+    for i in range(1, 6, 2):
+        assert got[i].finish_reason in ("stop", "length"), got[i]
+        if got[i].finish_reason == "stop":
+            v = json.loads(got[i].text)
+            assert set(v) == {"a", "b"} and 0 <= v["a"] <= 99 and len(v["b"]) <= 6, got[i].text
+            stopped += 1
+    assert stopped >= 2, [o.text for o in got]
+    assert sum(m for _, m in accepts) >= 3, accepts
+
+
+def test_a_grammar_outside_the_vocabulary_fails_only_its_request(model, gemma4_tokenizer):
+    """A 512-token model with the 262,144-token tokenizer: the JSON grammar's tokens all lie outside the model's
+    vocabulary, so its mask allows nothing. That request ends with finish_reason "error" and a message naming it;
+    the greedy requests batched with it finish as they do alone."""
+    prompts = _prompts(4, 3)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=10, json_schema=SCHEMA),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)]
+    alone, _, _ = _run(model, gemma4_tokenizer, [prompts[0], prompts[2]], [params[0], params[2]])
+    outs, _, _ = _run(model, gemma4_tokenizer, prompts, params)
+    assert outs[1].finish_reason == "error" and "'r1'" in outs[1].error and "512-token" in outs[1].error, outs[1]
+    assert [outs[0].token_ids, outs[2].token_ids] == [alone[0].token_ids, alone[1].token_ids]
