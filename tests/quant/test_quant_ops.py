@@ -70,6 +70,8 @@ def test_tied_head_on_packed_table(bits):
         assert y.shape == (m, vocab) and _rel(y, ref) < 1e-5
         compiled = jax.jit(lambda x, t: linear(x, t, impl="xla")).lower(x, tq).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        assert temp < tq.nbytes, (m, temp, tq.nbytes)  # far below the 21 MB of a float32 [V, D] copy
+        # no whole dequantized table: int4 from two rows dequantizes 2,048-row tiles (5.2 MB in float32 here), so
+        # the bound is half the 21 MB of a float32 [V, D] copy
+        assert temp < vocab * d * 4 // 2, (m, temp, tq.nbytes)
     ids = jnp.asarray([0, 8191, 17])
     assert np.array_equal(np.asarray(take_rows(tq, ids, jnp.float32)), np.asarray(dense[ids]))
