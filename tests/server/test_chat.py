@@ -281,8 +281,11 @@ class _FakeConstrained:
 def fake_constrained(monkeypatch: pytest.MonkeyPatch) -> _FakeConstrained:
     import sys
 
+    import gemmajax.tools
     fake = _FakeConstrained()
     monkeypatch.setitem(sys.modules, "gemmajax.tools.constrained", fake)
+    # `from gemmajax.tools import constrained` reads the package attribute once the real module was imported
+    monkeypatch.setattr(gemmajax.tools, "constrained", fake, raising=False)
     return fake
 
 
