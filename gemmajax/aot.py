@@ -141,8 +141,22 @@ class AotRequest:
         return self.cfg.name or "custom"
 
 
+class _CompiledMemory:
+    """What a compile's memory analysis says, for StepCompile and EncoderCompile (fields argument_bytes,
+    output_bytes, alias_bytes, temp_bytes, code_bytes, oom, error)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.oom is None and self.error is None
+
+    @property
+    def peak_bytes(self) -> int:
+        """HBM the program holds while it runs: arguments + outputs not aliased to arguments + temporaries + code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+
 @dataclass
-class StepCompile:
+class StepCompile(_CompiledMemory):
     """One deviceless compile of the serving step: its shape and what the compiler reported (bytes per chip: on a
     slice the program is the one SPMD partition every chip runs)."""
 
@@ -164,15 +178,6 @@ class StepCompile:
     pallas_calls: int = 0     # Mosaic (Pallas TPU) kernel calls in the lowered program
     oom: str | None = None    # the compiler's RESOURCE_EXHAUSTED message when it did not fit
     error: str | None = None  # any other compile failure
-
-    @property
-    def ok(self) -> bool:
-        return self.oom is None and self.error is None
-
-    @property
-    def peak_bytes(self) -> int:
-        """HBM the program holds while it runs: arguments + outputs not aliased to arguments + temporaries + code."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
 
     @property
     def overhead_bytes(self) -> int:
@@ -750,7 +755,7 @@ def tower_names(mm_cfg: Any) -> list[str]:
 
 
 @dataclass
-class EncoderCompile:
+class EncoderCompile(_CompiledMemory):
     """One deviceless compile of an encoder (a tower's program, run by `model.multimodal.embed_multimodal` between
     steps) on its largest input: bytes per chip (on a slice the towers and their inputs are replicated, as
     `LLM` places them, and every chip runs the whole encoder)."""
@@ -771,14 +776,6 @@ class EncoderCompile:
     pallas_calls: int = 0
     oom: str | None = None
     error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.oom is None and self.error is None
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
 
     @property
     def extra_bytes(self) -> int:

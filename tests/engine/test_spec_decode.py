@@ -150,6 +150,7 @@ def test_ngram_greedy_equals_plain_decoding(model, gemma4_tokenizer, prefix_cach
     assert eng.stats_counters["steps"] < plain.stats_counters["steps"]   # fewer steps than one token at a time
 
 
+@pytest.mark.slow  # make test keeps n-gram == plain on the tiny models (all three acceptance paths: agreeing pair)
 def test_ngram_on_the_real_model(gguf_file):
     """Gemma 3 270M, float32, prompts that invite copying: equal greedy text with and without drafting, and every
     acceptance path runs (all drafts kept plus the bonus token, some kept, none kept)."""
@@ -215,7 +216,7 @@ def _record_drafts(eng):
     return rounds
 
 
-@pytest.mark.parametrize("variant", ["e2b", "31b"])
+@pytest.mark.parametrize("variant", ["e2b", pytest.param("31b", marks=pytest.mark.slow)])
 def test_assistant_drafts_are_hfs_and_output_equals_plain(tmp_path, gemma4_tokenizer, variant):
     """A random target + gemma4_assistant pair (E2B-like: KV-shared store layers, PLE; 31B-like: K=V full layers):
     batched mixed-length greedy requests give the plain tokens, and every round's drafts equal HF's own
@@ -299,7 +300,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
           "required": ["a", "b"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", [pytest.param("float32", marks=pytest.mark.slow), "fp8_e4m3"])
 def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma4_tokenizer, kv_dtype):
     """n-gram drafting under a JSON schema (drafts the grammar forbids are cut, the rest verified under its masks)
     and over fp8 pages (the verify step writes and reads them as decoding does): greedy and seeded sampled tokens

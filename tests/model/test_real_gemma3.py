@@ -47,6 +47,7 @@ def test_float32_logits_match_hf(ours, hf_model, tok):
         assert (out.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.slow  # the float32 logits test above holds the same model to HF in make test
 def test_greedy_continuations_match_hf(gguf_file, hf_model, tok):
     llm = gemmajax.LLM(gguf_file, dtype="float32", kv_dtype="float32", max_model_len=256, max_num_seqs=4,
                        kv_cache_memory=1 << 26)
