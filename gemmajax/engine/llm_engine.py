@@ -459,10 +459,12 @@ class LLMEngine:
                 if st.constraint is not None and not st.constraint.is_done():
                     try:
                         st.constraint.advance(tok)
-                    except ValueError as e:   # only if its mask allowed nothing (e.g. a tokenizer larger than
-                        if not seq.is_finished:   # the model's vocabulary): this request fails, the others go on
-                            seq.error = (f"request {seq.request_id!r}: {str(e).splitlines()[0]} (its mask left no "
-                                         f"token of the model's {self.model_config.vocab_size}-token vocabulary)")
+                    except ValueError as e:   # a token its mask did not allow (e.g. a mask with no token of
+                        # the model's vocabulary, as with a tokenizer larger than the model): this request fails,
+                        # the others in the batch go on
+                        logger.warning("request %r: %s", seq.request_id, e)
+                        if not seq.is_finished:
+                            seq.error = f"request {seq.request_id!r}: {str(e).splitlines()[0]}"
                             self.scheduler.finish(seq, "error")
                         break
                     if st.constraint.is_done() and not seq.is_finished:

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("aot", help="compile the serving step for a TPU topology without a TPU; print the HBM fit")
     p.add_argument("--model", required=True, choices=AOT_MODELS)
     p.add_argument("--chip", required=True, choices=AOT_CHIPS)
-    p.add_argument("--topology", default="1x1")
+    p.add_argument("--topology", default="1x1", choices=("1x1", "2x2", "2x4"),
+                   help="chips of the slice (x by y); tensor parallel size = their number (default 1x1)")
     p.add_argument("--quant", type=quant_arg, default="none")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--max-model-len", type=_positive, default=8192)

@@ -216,6 +216,9 @@ def test_streamed_text_never_holds_a_stop_string(llm, gemma4_tokenizer, spanning
     deltas, texts, final = {}, {}, {}
     while eng.has_unfinished():
         for o in eng.step():
+            if not o.finished:   # held back: at most the longest stop string - 1 characters of the decoded text
+                stop = spanning[int(o.request_id[1:])][3]
+                assert len(o.text) >= len(_stream(gemma4_tokenizer, o.token_ids)[-1]) - (len(stop) - 1), o
             deltas.setdefault(o.request_id, []).append(o.delta_text)
             texts.setdefault(o.request_id, []).append(o.text)
             if o.finished:

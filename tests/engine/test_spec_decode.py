@@ -317,7 +317,27 @@ def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma
               for i in range(6)]
     spec = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     want, _, _ = _run(real_vocab_model, gemma4_tokenizer, prompts, params, kv_dtype=kv_dtype)
-    got, _, accepts = _run(real_vocab_model, gemma4_tokenizer, prompts, params, spec, kv_dtype=kv_dtype)
+    kept = []   # drafts of constrained requests that the grammar let through to verification
+
+    def masks_spy(eng):
+        orig = eng._grammar_masks
+
+        def spy(c, d):
+            out = orig(c, d)
+            kept.append(len(out[0]))
+            return out
+        eng._grammar_masks = spy
+    from gemmajax.engine import llm_engine
+    init = llm_engine.LLMEngine.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        masks_spy(self)
+    llm_engine.LLMEngine.__init__ = patched
+    try:
+        got, _, accepts = _run(real_vocab_model, gemma4_tokenizer, prompts, params, spec, kv_dtype=kv_dtype)
+    finally:
+        llm_engine.LLMEngine.__init__ = init
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stopped = 0
     for i in range(1, 6, 2):
@@ -328,6 +348,7 @@ def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma
             stopped += 1
     assert stopped >= 2, [o.text for o in got]
     assert sum(m for _, m in accepts) >= 3, accepts
+    assert sum(kept) >= 3, kept   # the verify-under-masks path ran
 
 
 def test_a_grammar_outside_the_vocabulary_fails_only_its_request(model, gemma4_tokenizer):
@@ -340,5 +361,6 @@ def test_a_grammar_outside_the_vocabulary_fails_only_its_request(model, gemma4_t
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)]
     alone, _, _ = _run(model, gemma4_tokenizer, [prompts[0], prompts[2]], [params[0], params[2]])
     outs, _, _ = _run(model, gemma4_tokenizer, prompts, params)
-    assert outs[1].finish_reason == "error" and "'r1'" in outs[1].error and "512-token" in outs[1].error, outs[1]
+    assert outs[1].finish_reason == "error" and "'r1'" in outs[1].error, outs[1]
+    assert "not allowed by the grammar" in outs[1].error, outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids] == [alone[0].token_ids, alone[1].token_ids]

@@ -190,5 +190,6 @@ def test_aot_subcommand_has_every_flag_of_gemmajax_aot() -> None:
     ours = sub.choices["aot"]
 
     def flags(p):
-        return {o: a.default for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        return {o: (a.default, tuple(a.choices) if a.choices else None, a.required) for a in p._actions
+                for o in a.option_strings if o.startswith("--") and o != "--help"}
     assert flags(ours) == flags(ref)
