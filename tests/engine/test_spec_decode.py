@@ -301,7 +301,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
 
 
 @pytest.mark.parametrize("kv_dtype", [pytest.param("float32", marks=pytest.mark.slow), "fp8_e4m3"])
-def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma4_tokenizer, kv_dtype):
+def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma4_tokenizer, kv_dtype,
+                                                          monkeypatch):
     """n-gram drafting under a JSON schema (drafts the grammar forbids are cut, the rest verified under its masks)
     and over fp8 pages (the verify step writes and reads them as decoding does): greedy and seeded sampled tokens
     equal the same engine without drafting, every constrained output that stopped parses and fits the schema, and
@@ -318,26 +319,14 @@ def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma
     spec = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     want, _, _ = _run(real_vocab_model, gemma4_tokenizer, prompts, params, kv_dtype=kv_dtype)
     kept = []   # drafts of constrained requests that the grammar let through to verification
+    masks = LLMEngine._grammar_masks
 
-    def masks_spy(eng):
-        orig = eng._grammar_masks
-
-        def spy(c, d):
-            out = orig(c, d)
-            kept.append(len(out[0]))
-            return out
-        eng._grammar_masks = spy
-    from gemmajax.engine import llm_engine
-    init = llm_engine.LLMEngine.__init__
-
-    def patched(self, *a, **kw):
-        init(self, *a, **kw)
-        masks_spy(self)
-    llm_engine.LLMEngine.__init__ = patched
-    try:
-        got, _, accepts = _run(real_vocab_model, gemma4_tokenizer, prompts, params, spec, kv_dtype=kv_dtype)
-    finally:
-        llm_engine.LLMEngine.__init__ = init
+    def spy(self, c, d):
+        out = masks(self, c, d)
+        kept.append(len(out[0]))
+        return out
+    monkeypatch.setattr(LLMEngine, "_grammar_masks", spy)
+    got, _, accepts = _run(real_vocab_model, gemma4_tokenizer, prompts, params, spec, kv_dtype=kv_dtype)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stopped = 0
     for i in range(1, 6, 2):
