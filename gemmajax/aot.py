@@ -843,6 +843,8 @@ def compile_encoders(target: Target, mm_cfg: Any, weights: Any = None, *, quant:
     out = []
     for name in tower_names(mm_cfg):
         tower, w = getattr(mm_cfg, name), target.abstract(getattr(weights, name))
+        if target.plan is not None:      # on a slice, as LLM places them: replicated, quantized kernels per chip
+            w = target.plan.mark_replicated(w)
         fn, inputs, desc, rows = encoder_program(tower, max_soft_tokens, audio_seconds)
         inputs = target.abstract(inputs)
         res = EncoderCompile(name=name, tower=type(tower).__name__, inputs=desc, input_shape=tuple(inputs[0].shape),
@@ -1035,10 +1037,9 @@ def analyze(req: AotRequest, log=None) -> AotResult:
             f"{req.chip}:{req.topology}")
         c = compile_step(target, weights, _spec(req, pages, impl, tplan), prog)
         if c.error and _UNPARTITIONED in c.error and tplan is not None:
-            # attention already runs under shard_map on a slice: the kernel GSPMD met is a matmul's
-            c.error = (f"the quantized matmul Pallas kernels (gemmajax.quant, {req.quant}) are called on sharded "
-                       f"weights outside any shard_map, and Mosaic kernels cannot be partitioned by GSPMD: the "
-                       f"engine cannot run {req.quant} tensor-parallel on TPU yet (compiler: {c.error[:300]})")
+            # attention and the quantized matmuls run under shard_map on a slice: some other Pallas call did not
+            c.error = (f"a Pallas kernel of the {req.quant} step meets sharded operands outside any shard_map, and "
+                       f"Mosaic kernels cannot be partitioned by GSPMD (compiler: {c.error[:300]})")
         elif c.error and impl == "pallas":
             res.notes.append(f"the Pallas attention kernel failed to compile ({c.error.splitlines()[0][:300]}); "
                              "fell back to the jnp reference path (impl='ref')")

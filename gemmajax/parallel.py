@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from gemmajax.config import ModelConfig
 from gemmajax.quant.array import QuantArray
+from gemmajax.quant.sharded import TPSplit, split_specs
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class ShardPlan:
         if all(x is None for x in dims) and reasons:
             where = key + (f" (layer {layer})" if layer is not None else "")
             _log_once(f"tensor_parallel_size {self.size}: {where} {shape} replicated ({'; '.join(reasons)})")
-        return _spec_for(leaf, dims)
+        return split_specs(leaf, dims)
 
     def specs(self, weights: Any) -> Any:
         """The PartitionSpec tree of a (possibly abstract) weight tree (QuantArrays: specs of values and scale)."""
@@ -242,6 +243,22 @@ class ShardPlan:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), weights,
                             self.shardings(weights))
 
+    def annotate(self, weights: Any) -> Any:
+        """Inside a traced step: every QuantArray of `weights` marked with its split (QuantArray.tp), so that the
+        quantized kernels run per shard under shard_map (gemmajax.quant.sharded; GSPMD cannot partition a Pallas
+        call). Plain arrays are left to GSPMD. A no-op on one device."""
+        if self.size == 1:
+            return weights
+
+        def one(path, leaf):
+            if not isinstance(leaf, QuantArray):
+                return leaf
+            key, layer = _path_names(path)
+            spec = self.leaf_spec(key, layer, dataclasses.replace(leaf, tp=None)).values
+            dim = next((d for d, a in enumerate(spec) if a == AXIS), None)
+            return dataclasses.replace(leaf, tp=TPSplit(self.mesh, AXIS, dim))
+        return jax.tree_util.tree_map_with_path(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
+
     def place(self, weights: Any) -> Any:
         """Put every leaf of `weights` where `shardings` says (works across processes: each process passes the
         same values, e.g. the same checkpoint; only its own devices' shards are kept)."""
@@ -251,10 +268,20 @@ class ShardPlan:
         return jax.tree.map(lambda a, s: jax.device_put(np.asarray(a), s), weights, shardings)
 
     def replicate(self, tree: Any) -> Any:
-        """Every leaf replicated on the mesh (e.g. the vision / audio towers, which the step's inputs come from)."""
+        """Every leaf replicated on the mesh (e.g. the vision / audio towers, which the step's inputs come from), its
+        QuantArrays marked replicated (`mark_replicated`)."""
         if jax.process_count() == 1:
-            return jax.device_put(tree, self.replicated)
-        return jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.replicated), tree)
+            return self.mark_replicated(jax.device_put(tree, self.replicated))
+        return self.mark_replicated(jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.replicated), tree))
+
+    def mark_replicated(self, tree: Any) -> Any:
+        """`tree` with every QuantArray marked as held whole on every device (QuantArray.tp, dim None): whatever
+        jitted program multiplies by it runs the kernel on each device under shard_map (a Pallas call GSPMD meets
+        on a mesh does not compile, replicated or not). A no-op on one device."""
+        if self.size == 1:
+            return tree
+        return jax.tree.map(lambda q: dataclasses.replace(q, tp=TPSplit(self.mesh, AXIS, None))
+                            if isinstance(q, QuantArray) else q, tree, is_leaf=lambda x: isinstance(x, QuantArray))
 
     # ------------------------------------------------------------------ KV memory
     def kv_device_fraction(self) -> float:
@@ -315,16 +342,6 @@ def _quant_split_problem(q: QuantArray, d: int, n: int) -> str | None:
     if q.act_group and (in_p // n) % q.act_group:
         return f"int8 activation groups of {q.act_group} would straddle shards of {in_p // n} columns"
     return None
-
-
-def _spec_for(leaf, dims: list[str | None]):
-    """PartitionSpec(s) for a leaf whose logical dims map to `dims` (QuantArray: values and scale alike)."""
-    if not isinstance(leaf, QuantArray):
-        return P(*dims)
-    *lead, out, inp = dims
-    if leaf.kind == "int8":      # values [..., out_p, in]; scale [..., out_p]
-        return dataclasses.replace(leaf, values=P(*lead, out, inp), scale=P(*lead, out))
-    return dataclasses.replace(leaf, values=P(*lead, out, inp), scale=P(*lead, out, inp))  # int4: in never split
 
 
 def _spec_str(spec) -> str:

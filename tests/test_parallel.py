@@ -3,7 +3,8 @@
 The engine runs in subprocesses (tests/parallel/run_tp.py) with 4 forced CPU devices, so this process keeps one:
 greedy float32 tokens at tensor_parallel_size 2 and 4 (and 3, where heads and vocabulary do not divide) and with
 expert parallelism equal tensor_parallel_size 1, for E2B-like (PLE, KV sharing, one KV head), 31B-like (K=V, KV
-heads 2 / 1), 26B-like (MoE) and Gemma 3 tiny models, and for w8a8; every split leaf and KV pool is held in
+heads 2 / 1), 26B-like (MoE) and Gemma 3 tiny models, and for w8a8 and w4a16 (31B-like), w8a8 experts (26B-like, by
+expert and by width: the quantized kernels per shard, gemmajax.quant.sharded); every split leaf and KV pool is held in
 pieces (no device has a whole copy); the compiled decode step has one all-reduce per attention / MLP block.
 Two processes of 2 CPU devices each (gloo) give the TP=1 tokens at TP=4: offline (both call generate), and as
 `gemmajax serve --num-hosts 2` (host 0 answers HTTP and broadcasts each step, host 1 runs them).
@@ -50,6 +51,13 @@ CASES += [("31b/tp3", "31b", 3, False, "none", "short", False),
           ("26b/tp2ep", "26b", 2, True, "none", "short", False), ("26b/tp4ep", "26b", 4, True, "none", "short", False),
           ("31b-w8a8/tp1", "31b", 1, False, "w8a8", "short", False),
           ("31b-w8a8/tp2", "31b", 2, False, "w8a8", "short", False),
+          # the quantized kernels per shard (gemmajax.quant.sharded): int4 column-parallel with its rows' group
+          # scales and replicated along `in`; int8 experts split by expert (EP) and by width (their `in` per token)
+          ("31b-w4a16/tp1", "31b", 1, False, "w4a16", "short", False),
+          ("31b-w4a16/tp2", "31b", 2, False, "w4a16", "short", False),
+          ("26b-w8a8/tp1", "26b", 1, False, "w8a8", "short", False),
+          ("26b-w8a8/tp2ep", "26b", 2, True, "w8a8", "short", False),
+          ("26b-w8a8/tp4", "26b", 4, False, "w8a8", "short", False),
           ("31b-long/tp1", "31b", 1, False, "none", "long", False), ("31b-long/tp2", "31b", 2, False, "none", "long", True),
           ("e2b-long/tp1", "e2b", 1, False, "none", "long", False), ("e2b-long/tp4", "e2b", 4, False, "none", "long", False)]
 
@@ -183,6 +191,17 @@ def test_which_leaves_split(results):
     assert o[".layers[1].attn.o_proj.values"] == [None, "model"] and o[".layers[1].attn.o_proj.scale"] == [None]
     assert _specs(w, "layers[0].attn.o_proj")[".layers[0].attn.o_proj.values"] == [None, None]
     assert "int8 activation groups of 128 would straddle shards of 64 columns" in results["_logs"]
+    # w4a16: rows with their group scales; never along `in` (o_proj whole)
+    w4 = results["31b-w4a16/tp2"]
+    q4 = _specs(w4, "layers[0].attn.q_proj")
+    assert q4[".layers[0].attn.q_proj.values"] == ["model", None] and q4[".layers[0].attn.q_proj.scale"] == ["model", None]
+    assert _specs(w4, "layers[1].attn.o_proj")[".layers[1].attn.o_proj.values"] == [None, None]
+    # int8 experts: by expert with EP (values and scales), by width without (down_proj's `in`, per-token scales)
+    e8, t8 = _specs(results["26b-w8a8/tp2ep"], "moe."), _specs(results["26b-w8a8/tp4"], "moe.")
+    assert e8[".layers[0].moe.gate_up_proj.values"] == ["model", None, None]
+    assert e8[".layers[0].moe.down_proj.scale"] == ["model", None]
+    assert t8[".layers[0].moe.gate_up_proj.values"] == [None, "model", None]
+    assert t8[".layers[0].moe.down_proj.values"] == [None, None, "model"]
 
 
 def test_tp3_replicates_what_does_not_divide(results):

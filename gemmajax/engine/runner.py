@@ -162,6 +162,8 @@ def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInp
     greedy: the sampler's greedy rule (first index of the row maximum) inside the same program, tokens int32 [R]
     instead of logits: the [R, V] logits never leave the step (no float32 copy, log-sum-exp or second dispatch for
     an all-greedy batch). hidden: ((out, final-normed hidden [R, D]), kv), the drafter's input."""
+    if spec.plan is not None:
+        weights = spec.plan.annotate(weights)      # quantized kernels per shard (gemmajax.quant.sharded)
     h, kv = model_hidden(weights, spec, kv, inp)
     logits = gemma.lm_head(weights, spec.cfg, h)                     # [R, V] activation dtype
     out = greedy_argmax(logits.astype(f32)) if greedy else logits.astype(f32)
@@ -176,6 +178,8 @@ def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: 
 def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
     """The decoder part of `model_step`: (final-normed hidden [S, D] of each sequence's last token, kv)."""
     cfg = spec.cfg
+    if spec.plan is not None:
+        weights = spec.plan.annotate(weights)
 
     def make_attend(metas, blocks=None):
         def attend(lspec, q, k, v, pages):

@@ -37,8 +37,9 @@ class QuantArray:
     """A quantized weight (see the module docstring for the layouts).
 
     values / scale are the pytree children; kind, shape (logical), group, dtype (the dtype the weight had, and
-    the default of `dequantize`) and act_group (int8: activation scales per token per act_group input columns,
-    0 = one per token) are static metadata.
+    the default of `dequantize`), act_group (int8: activation scales per token per act_group input columns,
+    0 = one per token), tp (the tensor-parallel split, inside a sharded step only) and act_axis (inside a row-parallel
+    shard) are static metadata.
     """
 
     values: Any  # int8 [..., out_p, in] | uint8 [..., out_p, in_p // 2]
@@ -48,6 +49,13 @@ class QuantArray:
     group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group along `in`; 0 for int8
     dtype: Any = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
     act_group: int = dataclasses.field(default=0, metadata={"static": True})  # int8 only; 0 = per token
+    # Set only while a tensor-parallel step is traced (ShardPlan.annotate): a quant.sharded.TPSplit saying how the
+    # weight is split, so that linear / gmm run their kernel per shard under shard_map. None everywhere else.
+    tp: Any = dataclasses.field(default=None, metadata={"static": True})
+    # int8 inside a row-parallel shard only: the mesh axis its `in` columns are split over, so that a per-token
+    # activation scale takes the whole row's maximum (int8_matmul.quantize_activations). Static, so a program traced
+    # for a shard is never reused for a whole weight (JAX caches the traces of lax.platform_dependent's branches).
+    act_axis: str | None = dataclasses.field(default=None, metadata={"static": True})
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -67,6 +67,7 @@ from gemmajax.quant.int4_matmul import (
 )
 from gemmajax.quant.int8_matmul import int8_matmul_ref, int8_matmul_xla, materialize, quantize_activations
 from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu
+from gemmajax.quant.sharded import gmm_tp
 
 Weight = Any  # jax.Array [E, N, K] | QuantArray [E, N, K]
 _UNROLL_ROWS = 32  # CPU "rows" form: unrolled up to this many rows, a while loop beyond (module docstring)
@@ -375,7 +376,7 @@ def gmm_pallas(x: jax.Array, w: QuantArray, group_sizes: jax.Array, *, interpret
         nk = k_all // tk
         if ag and tk % ag:
             raise ValueError(f"gmm_pallas: tk {tk} must hold whole activation groups of {ag}")
-        xq, xs = quantize_activations(_pad_cols(x, k_all), ag)
+        xq, xs = quantize_activations(_pad_cols(x, k_all), ag, w.act_axis)
         if mp != m:
             xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, mp - m), (0, 0)))
         if ag:  # one K block's group scales as a block whose last dim is the array's own (any width)
@@ -490,7 +491,7 @@ def _int8_rows_cpu(x: jax.Array, w: QuantArray):
     "vector" form, dot(xf, w_e.astype(f32).T) * x_scale * w_scale, per row (with act_group: on the dequantized
     activations, as that form does). Saves a quantization fusion and a conditional per row (0.1 ms a row at
     26B-A4B's down_proj, as much as the row's dot). Returns (xf f32 [M, K_p], row scale f32 [M, 1], mm(x_row, w_e))."""
-    xq, xs = quantize_activations(_pad_cols(x, w.padded_in), w.act_group)
+    xq, xs = quantize_activations(_pad_cols(x, w.padded_in), w.act_group, w.act_axis)
     m, k = xq.shape
     if w.act_group:
         xf = (xq.astype(jnp.float32).reshape(m, k // w.act_group, w.act_group) * xs[..., None]).reshape(m, k)
@@ -605,6 +606,8 @@ def gmm(x: jax.Array, w: Weight, group_sizes: jax.Array, impl: str = "auto") -> 
     _check(x, w, group_sizes, "gmm")
     if impl not in IMPLS:
         raise ValueError(f"gmm: impl must be one of {IMPLS}, got {impl!r}")
+    if isinstance(w, QuantArray) and w.tp is not None:  # a tensor-parallel step: per shard (quant/sharded.py)
+        return gmm_tp(x, w, group_sizes, functools.partial(gmm, impl=impl))
     gpu = functools.partial(gmm_xla, gpu=True)
     if not isinstance(w, QuantArray):
         if impl in ("pallas", "pallas_interpret"):

@@ -71,18 +71,23 @@ _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 _VECTOR_MAX_IN = 3072  # grouped one-row "vector" up to this width; the group loop ("int") beyond (module docstring)
 
 
-def quantize_activations(x: jax.Array, group: int = 0) -> tuple[jax.Array, jax.Array]:
+def quantize_activations(x: jax.Array, group: int = 0, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Symmetric int8 per token (group 0) or per token per `group` columns.
 
     x [M, K] float -> (xq int8 [M, K], x_scale float32 [M, K // G]) with G = group or K; x[m, k] ~= xq[m, k] *
-    x_scale[m, k // G]. x_scale = max|x[m, group]| / 127 (an all-zero group gets scale 0 and levels 0).
+    x_scale[m, k // G]. x_scale = max|x[m, group]| / 127 (an all-zero group gets scale 0 and levels 0). axis: inside a
+    row-parallel shard (the weight's act_axis), group 0's maximum is taken over every shard of the row on that mesh
+    axis (its columns are split there), so the levels are the ones one device would compute.
     """
     m, k = x.shape
     g = group or k
     if k % g:
         raise ValueError(f"quantize_activations: group {group} does not divide the width {k} of x {x.shape}")
     xf = x.astype(jnp.float32).reshape(m, k // g, g)
-    xs = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / INT8_MAX
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    if not group and axis is not None:  # a row-parallel shard (quant/sharded.py): the whole row's maximum
+        amax = lax.pmax(amax, axis)
+    xs = amax / INT8_MAX
     xq = jnp.clip(jnp.round(xf / jnp.where(xs == 0, 1, xs)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return xq.reshape(m, k), xs[..., 0]
 
@@ -126,7 +131,7 @@ def int8_matmul_ref(x: jax.Array, w: QuantArray) -> jax.Array:
     x2 = x.reshape(-1, x.shape[-1])
     (m, k), n = x2.shape, w.padded_out
     g = w.act_group or k
-    xq, xs = quantize_activations(x2, w.act_group)
+    xq, xs = quantize_activations(x2, w.act_group, w.act_axis)
     # [M, G', g] x [N, G', g] -> int32 [G', M, N]: each group is its own integer partial sum
     acc = lax.dot_general(xq.reshape(m, k // g, g), w.values.reshape(n, k // g, g), (((2,), (2,)), ((1,), (1,))),
                           preferred_element_type=jnp.int32)
@@ -236,7 +241,7 @@ def int8_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
             raise ValueError(f"int8_matmul_pallas: blocks {blocks} do not tile x [{m}, {k}] @ w [{n}, {k}].T "
                              f"(tm % 32, tn | {n} and tn % 128, tk | {k} and tk % 128; or the whole dimension; "
                              f"tk a multiple of act_group {ag})")
-    xq, xs = quantize_activations(x2, ag)
+    xq, xs = quantize_activations(x2, ag, w.act_axis)
     if mp != m:
         xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
         xs = jnp.pad(xs, ((0, mp - m), (0, 0)))
@@ -293,7 +298,7 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     x = _pad_in(x, w)
     x2 = x.reshape(-1, x.shape[-1])
     (m, k), n, ag = x2.shape, w.padded_out, w.act_group
-    xq, xs = quantize_activations(x2, ag)
+    xq, xs = quantize_activations(x2, ag, w.act_axis)
     if form == "auto":
         form = "vector" if m == 1 and (not ag or k <= _VECTOR_MAX_IN) else "int"
     ws = w.scale.astype(jnp.float32)[None, :]

@@ -16,6 +16,7 @@ from gemmajax.quant.array import QuantArray
 from gemmajax.quant.int4_matmul import int4_matmul
 from gemmajax.quant.int8_matmul import int8_matmul, materialize
 from gemmajax.quant.quantize import dequantize_rows
+from gemmajax.quant.sharded import linear_tp
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 _MATMULS = {"int8": int8_matmul, "int4": int4_matmul}
@@ -63,6 +64,8 @@ def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.A
         return lax.platform_dependent(x, w, cpu=dense_matmul_cpu, default=dense_matmul)
     if impl not in IMPLS:
         raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
+    if w.tp is not None:  # a tensor-parallel step: the kernel runs per shard (quant/sharded.py)
+        return linear_tp(x, w, lambda xl, wl: _MATMULS[w.kind](xl, wl, impl))
     return _MATMULS[w.kind](x, w, impl)
 
 
