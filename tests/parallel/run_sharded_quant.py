@@ -21,14 +21,13 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
-from gemmajax.quant import gmm, linear, quantize  # noqa: E402
-from gemmajax.quant import sharded  # noqa: E402
-from gemmajax.quant.sharded import TPSplit, split_specs  # noqa: E402
+from gemmajax.quant import gmm, linear, quantize, sharded
+from gemmajax.quant.sharded import TPSplit, split_specs
 
 KINDS = (("int8", 0), ("int8", 32), ("int4", 0))
 

@@ -33,7 +33,7 @@ def results(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "tests.parallel.run_sharded_quant", "20261202", str(TRIALS), out],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     with open(out) as f:
         return json.load(f)
