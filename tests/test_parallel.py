@@ -52,7 +52,9 @@ CASES += [("31b/tp3", "31b", 3, False, "none", "short", False),
           ("31b-w8a8/tp1", "31b", 1, False, "w8a8", "short", False),
           ("31b-w8a8/tp2", "31b", 2, False, "w8a8", "short", False),
           # the quantized kernels per shard (gemmajax.quant.sharded): int4 column-parallel with its rows' group
-          # scales and replicated along `in`; int8 experts split by expert (EP) and by width (their `in` per token)
+          # scales and replicated along `in`; int8 experts split by expert (EP) and by width (TP4; the dense
+          # down_proj's 96 columns are split with per-token scales; the experts' 32 columns padded to 128 all sit
+          # on the first shard, so tests/quant/test_sharded.py covers the experts' per-token case)
           ("31b-w4a16/tp1", "31b", 1, False, "w4a16", "short", False),
           ("31b-w4a16/tp2", "31b", 2, False, "w4a16", "short", False),
           ("26b-w8a8/tp1", "26b", 1, False, "w8a8", "short", False),

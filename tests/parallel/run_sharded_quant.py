@@ -46,8 +46,19 @@ def mark(q, mesh, dim):
     return dataclasses.replace(q, tp=TPSplit(mesh, "model", dim))
 
 
-def quant(w, kind, ag):
-    return quantize(w, "int8", act_group=ag) if kind == "int8" else quantize(w, "int4", group=32)
+def quant(w, kind, ag, pad_in_to=None):
+    if kind == "int8":
+        return quantize(w, "int8", act_group=ag, pad_in_to=pad_in_to)
+    return quantize(w, "int4", group=32, pad_in_to=pad_in_to)
+
+
+# every (kind, act_group, split dim) a 2-D weight / an expert stack can have: the first trials take them in turn
+LINEAR_COMBOS = [(k, a, d) for k, a in KINDS for d in ([None, 0, 1] if k == "int8" else [None, 0])]
+GMM_COMBOS = [(k, a, d) for k, a in KINDS for d in ([None, 0, 1, 2] if k == "int8" else [None, 0, 1])]
+
+
+def _combo(rng, combos, i):
+    return combos[i] if i < len(combos) else combos[rng.integers(len(combos))]
 
 
 def err(y, ref) -> tuple[float, float]:
@@ -55,34 +66,46 @@ def err(y, ref) -> tuple[float, float]:
     return float(np.max(np.abs(y - ref))), float(np.max(np.abs(ref)))
 
 
-def linear_trial(rng, meshes):
+def linear_trial(rng, meshes, i):
     impl = "xla"
     n = int(rng.choice([2, 4]))
-    kind, ag = KINDS[rng.integers(len(KINDS))]
-    out = 128 * int(rng.integers(1, 4)) * n // 2 if rng.random() < 0.7 else 4 * n * int(rng.integers(3, 40))
-    inp = 128 * n * int(rng.integers(1, 3))
-    dims = [None, 0] + ([1] if kind == "int8" else [])   # int4 never splits along `in`
-    dim = dims[rng.integers(len(dims))]
+    kind, ag, dim = _combo(rng, LINEAR_COMBOS, i)
+    j = i - len(LINEAR_COMBOS)               # then one padded-rows split and one padded-columns split for certain
+    if j in (0, 1):
+        kind, ag, dim = ("int8", 0, j) if j else (("int8", "int4")[int(rng.integers(2))], 0, 0)
+    r = 0.0 if j == 0 else 0.5 if j == 1 else rng.random()
+    if r < 0.25:      # > 4096 rows, not a multiple of 128: stored padded to 128 (QuantArray.padded_out)
+        out = 4096 + 4 * n * int(rng.integers(1, 9))
+    elif r < 0.6:
+        out = 128 * int(rng.integers(1, 4)) * n // 2
+    else:
+        out = 4 * n * int(rng.integers(3, 40))
+    pad_in_to = 128 * n if j == 1 or rng.random() < 0.35 else None   # columns padded (as +emb tables are)
+    inp = 128 * n * int(rng.integers(1, 3)) - (32 if pad_in_to else 0)
     lead = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 3))))
     dtype = jnp.float32 if rng.random() < 0.75 else jnp.bfloat16
     w = jnp.asarray(rng.standard_normal((out, inp)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((*lead, inp)) * rng.uniform(0.1, 5), dtype)
-    q = quant(w, kind, ag)
+    q = quant(w, kind, ag, pad_in_to)
     ref = linear(x, q, impl)
     mesh = meshes[n]
     y = jax.jit(lambda x, qs: linear(x, mark(qs, mesh, dim), impl))(x, place(q, mesh, dim))
     e, m = err(y, ref)
     return dict(devices=n, kind=kind, act_group=ag, out=out, inp=inp, dim=dim, x_shape=list(x.shape),
-                dtype=jnp.dtype(dtype).name, impl=impl, shape_ok=list(y.shape) == list(ref.shape), err=e, max=m)
+                dtype=jnp.dtype(dtype).name, impl=impl, shape_ok=list(y.shape) == list(ref.shape), err=e, max=m,
+                padded_out=q.padded_out > out, padded_in=q.padded_in > inp)
 
 
-def gmm_trial(rng, meshes):
+def gmm_trial(rng, meshes, i):
     n = int(rng.choice([2, 4]))
-    kind, ag = KINDS[rng.integers(len(KINDS))]
+    kind, ag, dim = _combo(rng, GMM_COMBOS, i)
+    if i == len(GMM_COMBOS):                               # then a padded, per-token, `in`-split stack for certain
+        kind, ag, dim = "int8", 0, 2
     e = n * int(rng.integers(1, 4))
     nn, k = 32 * n * int(rng.integers(1, 3)), 128 * n // 2 * int(rng.integers(1, 3))
-    dims = [None, 0, 1] + ([2] if kind == "int8" else [])
-    dim = dims[rng.integers(len(dims))]
+    pad_in_to = 128 * n if i == len(GMM_COMBOS) or rng.random() < 0.35 else None  # padded along `in` (as loaded)
+    k_logical = k - (32 if pad_in_to else 0)
+    dtype = jnp.float32 if rng.random() < 0.75 else jnp.bfloat16
     sizes = rng.integers(0, 5, size=e)
     sizes[rng.random(e) < 0.3] = 0                       # empty experts
     if not sizes.sum():
@@ -90,37 +113,49 @@ def gmm_trial(rng, meshes):
     pad = int(rng.integers(0, 4))                        # rows past the groups' end (NaN: they must come out 0)
     m = max(1, int(sizes.sum()) + pad)
     impl = "xla"
-    w = jnp.asarray(rng.standard_normal((e, nn, k)), jnp.float32)
-    xn = rng.standard_normal((m, k)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((e, nn, k_logical)), jnp.float32)
+    xn = rng.standard_normal((m, k_logical)).astype(np.float32)
     xn[int(sizes.sum()):] = np.nan
-    x, gs = jnp.asarray(xn), jnp.asarray(sizes, jnp.int32)
-    q = quant(w, kind, ag)
+    x, gs = jnp.asarray(xn, dtype), jnp.asarray(sizes, jnp.int32)
+    q = quant(w, kind, ag, pad_in_to)
     ref = gmm(x, q, gs, impl)
     mesh = meshes[n]
     y = jax.jit(lambda x, qs, s: gmm(x, mark(qs, mesh, dim), s, impl))(x, place(q, mesh, dim), gs)
     er, mx = err(y[: int(sizes.sum())], ref[: int(sizes.sum())])
-    return dict(devices=n, kind=kind, act_group=ag, experts=e, n=nn, k=k, dim=dim, sizes=sizes.tolist(), rows=m,
+    return dict(devices=n, kind=kind, act_group=ag, experts=e, n=nn, k=k_logical, dim=dim, sizes=sizes.tolist(),
+                rows=m, dtype=jnp.dtype(dtype).name, padded_in=q.padded_in > k_logical,
                 impl=impl, err=er, max=mx, tail_zero=bool(np.all(np.asarray(y[int(sizes.sum()):]) == 0)),
                 finite=bool(np.all(np.isfinite(np.asarray(y)))))
 
 
 def control(meshes) -> dict:
-    """Row-parallel int8 with one activation scale per token, with the cross-shard maximum switched off: each shard
-    then quantizes with its own scale, which must be visibly off (so the trials above can fail)."""
+    """Row-parallel int8 with one activation scale per token, with the cross-shard maximum switched off (the shard's
+    act_axis dropped): each shard then quantizes with its own scale, which must be visibly off (so the trials above
+    can fail). The same for the experts' `in` split (gmm)."""
     rng = np.random.default_rng(7)
+    mesh = meshes[4]
     w = jnp.asarray(rng.standard_normal((256, 512)), jnp.float32)
     xs = rng.standard_normal((4, 512)).astype(np.float32)
     xs[:, :128] *= 20                                     # shard 0 holds the row's largest values
-    x, q, mesh = jnp.asarray(xs), quant(w, "int8", 0), meshes[4]
+    x, q = jnp.asarray(xs), quant(w, "int8", 0)
     ref = linear(x, q, "xla")
-    f = jax.jit(lambda x, qs: linear(x, mark(qs, mesh, 1), "xla"))
-    with_pmax = err(f(x, place(q, mesh, 1)), ref)
+    with_pmax = err(jax.jit(lambda x, qs: linear(x, mark(qs, mesh, 1), "xla"))(x, place(q, mesh, 1)), ref)
 
     def own_scale(xl, wl):  # the shard's matmul, with its act_axis dropped
         return linear(xl, dataclasses.replace(wl, act_axis=None), "xla")
     g = jax.jit(lambda x, qs: sharded.linear_tp(x, mark(qs, mesh, 1), own_scale))
     without = err(g(x, place(q, mesh, 1)), ref)
-    return {"with_pmax": with_pmax, "without_pmax": without}
+
+    we = jnp.asarray(rng.standard_normal((4, 64, 512)), jnp.float32)
+    qe, gs = quant(we, "int8", 0), jnp.array([1, 0, 2, 1], jnp.int32)
+    ref_e = gmm(x, qe, gs, "xla")
+    with_e = err(jax.jit(lambda x, qs, s: gmm(x, mark(qs, mesh, 2), s, "xla"))(x, place(qe, mesh, 2), gs), ref_e)
+
+    def own_scale_e(xl, wl, s):
+        return gmm(xl, dataclasses.replace(wl, act_axis=None), s, "xla")
+    ge = jax.jit(lambda x, qs, s: sharded.gmm_tp(x, mark(qs, mesh, 2), s, own_scale_e))
+    without_e = err(ge(x, place(qe, mesh, 2), gs), ref_e)
+    return {"with_pmax": with_pmax, "without_pmax": without, "gmm_with_pmax": with_e, "gmm_without_pmax": without_e}
 
 
 def local_shapes(meshes) -> dict:
@@ -144,8 +179,8 @@ def main() -> None:
     devs = jax.devices()
     meshes = {n: Mesh(np.array(devs[:n]), ("model",)) for n in (2, 4)}
     rng = np.random.default_rng(seed)
-    res = {"linear": [linear_trial(rng, meshes) for _ in range(trials)],
-           "gmm": [gmm_trial(rng, meshes) for _ in range(trials)],
+    res = {"linear": [linear_trial(rng, meshes, i) for i in range(trials)],
+           "gmm": [gmm_trial(rng, meshes, i) for i in range(trials)],
            "control": control(meshes), "local_shapes": local_shapes(meshes)}
     with open(out, "w") as f:
         json.dump(res, f)

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRIALS = 14
+TRIALS = 16
 
 
 def _tol(t: dict) -> float:
@@ -46,17 +46,24 @@ def test_linear_per_shard_equals_one_device(results):
         assert t["shape_ok"], t
         assert t["err"] <= _tol(t), t
     # the draw covers the space: every split, both kernels, both device counts, every kind
-    assert {t["dim"] for t in trials} == {None, 0, 1}
+    assert {(t["kind"], t["act_group"], t["dim"]) for t in trials} == {
+        (k, a, d) for k, a in (("int8", 0), ("int8", 32), ("int4", 0)) for d in ([None, 0, 1] if k == "int8" else [None, 0])}
     assert {t["devices"] for t in trials} == {2, 4}
-    assert {(t["kind"], t["act_group"]) for t in trials} == {("int8", 0), ("int8", 32), ("int4", 0)}
+    assert any(t["padded_out"] and t["dim"] == 0 for t in trials), "no padded rows split"
+    assert any(t["padded_in"] and t["dim"] == 1 for t in trials), "no padded columns split"
 
 
 def test_gmm_per_shard_equals_one_device(results):
     trials = results["gmm"]
+    assert len(trials) == TRIALS
     for t in trials:
         assert t["err"] <= _tol(t), t
         assert t["tail_zero"] and t["finite"], t           # padding rows (NaN in) come out 0
-    assert {t["dim"] for t in trials} >= {None, 0, 1, 2}
+    assert {(t["kind"], t["act_group"], t["dim"]) for t in trials} == {
+        (k, a, d) for k, a in (("int8", 0), ("int8", 32), ("int4", 0))
+        for d in ([None, 0, 1, 2] if k == "int8" else [None, 0, 1])}
+    assert {t["devices"] for t in trials} == {2, 4} and {t["dtype"] for t in trials} == {"float32", "bfloat16"}
+    assert any(t["padded_in"] and t["dim"] == 2 for t in trials), "no padded expert columns split"
     assert any(0 in t["sizes"] for t in trials) and any(t["rows"] > sum(t["sizes"]) for t in trials)
 
 
@@ -64,10 +71,11 @@ def test_per_token_scale_spans_the_shards(results):
     """Row-parallel int8 with one scale per token: the shards share the row's maximum (pmax); without it they would
     quantize with their own, and the result would be off by far more than the tolerance."""
     c = results["control"]
-    err, mx = c["with_pmax"]
-    assert err <= 1e-5 * mx
-    bad, _ = c["without_pmax"]
-    assert bad > 100 * 1e-5 * mx, c
+    for kind in ("", "gmm_"):
+        err, mx = c[kind + "with_pmax"]
+        assert err <= 1e-5 * mx, c
+        bad, _ = c[kind + "without_pmax"]
+        assert bad > 100 * 1e-5 * mx, c
 
 
 def test_the_kernel_sees_shards(results):
