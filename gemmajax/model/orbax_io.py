@@ -64,10 +64,11 @@ def _spec(a) -> dict:
 
 def _static_fields(q: QuantArray) -> dict[str, Any]:
     """Every static (non-pytree) field of a QuantArray as JSON values: kind, shape, group, dtype and whatever
-    array.py adds later (e.g. act_group), so a converted checkpoint keeps all of them."""
+    array.py adds later (e.g. act_group), so a converted checkpoint keeps all of them; not the ones that exist only
+    while a sharded step is traced (metadata "runtime": tp, act_axis)."""
     out = {}
     for f in dataclasses.fields(q):
-        if f.metadata.get("static"):
+        if f.metadata.get("static") and not f.metadata.get("runtime"):
             v = getattr(q, f.name)
             out[f.name] = jnp.dtype(v).name if f.name == "dtype" else list(v) if isinstance(v, tuple) else v
     return out

@@ -51,11 +51,11 @@ class QuantArray:
     act_group: int = dataclasses.field(default=0, metadata={"static": True})  # int8 only; 0 = per token
     # Set only while a tensor-parallel step is traced (ShardPlan.annotate): a quant.sharded.TPSplit saying how the
     # weight is split, so that linear / gmm run their kernel per shard under shard_map. None everywhere else.
-    tp: Any = dataclasses.field(default=None, metadata={"static": True})
+    tp: Any = dataclasses.field(default=None, metadata={"static": True, "runtime": True})
     # int8 inside a row-parallel shard only: the mesh axis its `in` columns are split over, so that a per-token
     # activation scale takes the whole row's maximum (int8_matmul.quantize_activations). Static, so a program traced
     # for a shard is never reused for a whole weight (JAX caches the traces of lax.platform_dependent's branches).
-    act_axis: str | None = dataclasses.field(default=None, metadata={"static": True})
+    act_axis: str | None = dataclasses.field(default=None, metadata={"static": True, "runtime": True})
 
     def __post_init__(self):
         if self.kind not in KINDS:
