@@ -254,7 +254,7 @@ class ShardPlan:
             if not isinstance(leaf, QuantArray):
                 return leaf
             key, layer = _path_names(path)
-            spec = self.leaf_spec(key, layer, dataclasses.replace(leaf, tp=None)).values
+            spec = self.leaf_spec(key, layer, leaf).values
             dim = next((d for d, a in enumerate(spec) if a == AXIS), None)
             return dataclasses.replace(leaf, tp=TPSplit(self.mesh, AXIS, dim))
         return jax.tree_util.tree_map_with_path(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
@@ -271,8 +271,10 @@ class ShardPlan:
         """Every leaf replicated on the mesh (e.g. the vision / audio towers, which the step's inputs come from), its
         QuantArrays marked replicated (`mark_replicated`)."""
         if jax.process_count() == 1:
-            return self.mark_replicated(jax.device_put(tree, self.replicated))
-        return self.mark_replicated(jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.replicated), tree))
+            placed = jax.device_put(tree, self.replicated)
+        else:
+            placed = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.replicated), tree)
+        return self.mark_replicated(placed)
 
     def mark_replicated(self, tree: Any) -> Any:
         """`tree` with every QuantArray marked as held whole on every device (QuantArray.tp, dim None): whatever

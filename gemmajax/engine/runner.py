@@ -176,10 +176,9 @@ def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: 
 
 
 def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[jax.Array, tuple]:
-    """The decoder part of `model_step`: (final-normed hidden [S, D] of each sequence's last token, kv)."""
+    """The decoder part of `model_step`: (final-normed hidden [S, D] of each sequence's last token, kv). With a plan,
+    `weights` are as model_step passes them: annotated (ShardPlan.annotate)."""
     cfg = spec.cfg
-    if spec.plan is not None:
-        weights = spec.plan.annotate(weights)
 
     def make_attend(metas, blocks=None):
         def attend(lspec, q, k, v, pages):

@@ -32,6 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from gemmajax.quant.array import QuantArray
+from gemmajax.quant.int8_matmul import _pad_in
+
 
 @dataclass(frozen=True)
 class TPSplit:
@@ -51,7 +54,6 @@ def split_specs(leaf, dims: list[str | None]):
     """PartitionSpec of a plain leaf, or a QuantArray of the PartitionSpecs of its values and scale, for a leaf whose
     logical dims map to `dims` (mesh axis names or None). int8 scales [..., out_p] follow the rows; int4 scales
     [..., out_p, in_p // group] follow rows and columns alike (int4 is never split along `in`)."""
-    from gemmajax.quant.array import QuantArray
     if not isinstance(leaf, QuantArray):
         return P(*dims)
     *lead, out, inp = dims
@@ -80,11 +82,6 @@ def _local(w, s: TPSplit):
     return rebuild, (specs.values, specs.scale), tuple(shape)
 
 
-def _pad_last(x: jax.Array, width: int) -> jax.Array:
-    extra = width - x.shape[-1]
-    return x if extra <= 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
 def _run(s: TPSplit, body, in_specs, out_specs, *args):
     return jax.shard_map(body, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
@@ -99,7 +96,7 @@ def linear_tp(x: jax.Array, w, matmul: Callable) -> jax.Array:
     if s.dim == 1:                                       # row-parallel: partial products, one psum
         def row(xl, wl):
             return lax.psum(matmul(xl, rebuild(wl)), s.axis)
-        return _run(s, row, (P(*lead, s.axis), wspec), P(), _pad_last(x, w.padded_in), kids)
+        return _run(s, row, (P(*lead, s.axis), wspec), P(), _pad_in(x, w), kids)
 
     def body(xl, wl):
         return matmul(xl, rebuild(wl))
@@ -129,7 +126,7 @@ def gmm_tp(x: jax.Array, w, group_sizes: jax.Array, gmm: Callable) -> jax.Array:
     if s.dim == 2:                                       # row-parallel experts (their `in` split)
         def row(xl, wl, sizes):
             return lax.psum(gmm(xl, rebuild(wl), sizes), s.axis)
-        return _run(s, row, (P(None, s.axis), wspec, P()), P(), _pad_last(x, w.padded_in), kids, group_sizes)
+        return _run(s, row, (P(None, s.axis), wspec, P()), P(), _pad_in(x, w), kids, group_sizes)
 
     def body(xl, wl, sizes):
         return gmm(xl, rebuild(wl), sizes)
