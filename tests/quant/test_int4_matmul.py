@@ -142,6 +142,22 @@ def test_tiles_loop_and_tail(xdtype):
     assert (err <= bound).all(), (err / bound).max()
 
 
+@pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
+def test_tiles_concurrent_iterations_and_tail_exact(xdtype):
+    """Two loop iterations of 4 concurrent 2,048-row tiles, then a whole tile and a partial one after the loop
+    (n = 2 x 8,192 + 2,048 + 300), the bf16 output carried as uint16 bits: exact arithmetic, so the reference's bits
+    in every row (a tile written to the wrong place, a dropped tail or a double rounding fails), and the same bits
+    as one tile per iteration."""
+    from gemmajax.quant.int4_matmul import _finish, _pad_x, _tiles
+    xe, qe = _exact_case(3, 256, 2 * 8192 + 2048 + 300, seed=61)
+    xe = xe.astype(xdtype)
+    exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
+    y = jax.jit(lambda x, q: int4_matmul_xla(x, q, form="tiles"))(xe, qe)
+    assert y.dtype == xdtype and np.array_equal(np.asarray(y.astype(jnp.float32)), exact)
+    one = jax.jit(lambda x, q: _finish(_tiles(_pad_x(x, q), q, concurrent=1), x, q))(xe, qe)
+    assert np.array_equal(np.asarray(one.astype(jnp.float32)), exact)
+
+
 @pytest.mark.parametrize("inp", [640, 100])
 @pytest.mark.parametrize("form", ["rows", "tiles"])
 def test_table_padding_columns_are_never_read(inp, form):
