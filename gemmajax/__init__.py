@@ -26,7 +26,7 @@ def _cpu_vector_width() -> None:
 
 _cpu_vector_width()
 
-from gemmajax.config import ConfigError, LayerSpec, ModelConfig  # noqa: E402
+from gemmajax.config import ConfigError, LayerSpec, ModelConfig
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "LayerSpec", "ConfigError", "load_model", "load_tokenizer", "LLM", "SamplingParams"]

@@ -350,7 +350,8 @@ def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: t
 _CONCURRENT = 4  # tiles per loop iteration of the GEMM forms: independent chains XLA:CPU's runtime overlaps
 
 
-def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _CONCURRENT, out_dtype=jnp.float32) -> jax.Array:
+def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _CONCURRENT,
+           out_dtype=jnp.float32) -> jax.Array:
     """x2 [M, in_p] -> [M, N] (f32, or out_dtype bf16): a loop over tiles of `tile` weight rows (_tile_product),
     `concurrent` of them per iteration as independent chains (XLA:CPU runs one chain's dequantization beside another's
     GEMM; `concurrent` dequantized tiles are live at once: 10.5 MB in bf16 for in 640), written into the output in
