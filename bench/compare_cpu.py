@@ -277,7 +277,8 @@ def spawn(cfg: str, args) -> dict:
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-8:]
-        return {"engine": cfg.split(":")[0], "mode": cfg.split(":")[1], "error": " | ".join(tail)}
+        why = f"signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}" if p.returncode else "no RESULT"
+        return {"engine": cfg.split(":")[0], "mode": cfg.split(":")[1], "error": f"child {why}: " + " | ".join(tail)}
     res = json.loads(lines[-1][len("RESULT "):])
     res["wall_s"] = time.perf_counter() - t
     return res
