@@ -15,10 +15,13 @@ def _cpu_vector_width() -> None:
     flags = _os.environ.get("XLA_FLAGS", "")
     if "prefer_vector_width" in flags or _os.environ.get("GEMMAJAX_CPU_VECTOR_WIDTH", "512") != "512":
         return
-    try:
+    try:  # XLA aborts on a flag it does not know: only for the jaxlib releases it was measured with
+        from importlib.metadata import version
+        if tuple(int(p) for p in version("jaxlib").split(".")[:2]) != (0, 10):
+            return
         with open("/proc/cpuinfo") as f:
             avx512 = any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:
+    except (OSError, ValueError, ImportError):
         return
     if avx512:
         _os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_prefer_vector_width=512").strip()

@@ -365,11 +365,13 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
     v, s, g, live = w.values, w.scale, w.group, _live(w)
     step = tile * concurrent
     full = n // step
-    if n // tile <= 1:
-        return _tile_product(x2, v, s, g, live)
-    if full < 2:  # concurrency only where the loop runs: a weight of `concurrent` tiles or fewer goes tile by tile
-        step, full = tile, n // tile  # (else its whole dequantized copy would be live at once)
     bf = jnp.dtype(out_dtype) == jnp.bfloat16
+    if not bf and jnp.dtype(out_dtype) != jnp.float32:
+        raise ValueError(f"_tiles: out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
+    if n // tile <= 1:
+        return _tile_product(x2, v, s, g, live).astype(out_dtype)
+    if full < 2:  # concurrency only where the loop runs at least twice: a weight of fewer than 2 x `concurrent`
+        step, full = tile, n // tile  # tiles goes tile by tile (else most of its dequantized copy is live at once)
 
     def _cast(t):
         return lax.bitcast_convert_type(t.astype(jnp.bfloat16), jnp.uint16) if bf else t

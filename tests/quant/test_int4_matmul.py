@@ -154,8 +154,26 @@ def test_tiles_concurrent_iterations_and_tail_exact(xdtype):
     exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
     y = jax.jit(lambda x, q: int4_matmul_xla(x, q, form="tiles"))(xe, qe)
     assert y.dtype == xdtype and np.array_equal(np.asarray(y.astype(jnp.float32)), exact)
-    one = jax.jit(lambda x, q: _finish(_tiles(_pad_x(x, q), q, concurrent=1), x, q))(xe, qe)
-    assert np.array_equal(np.asarray(one.astype(jnp.float32)), exact)
+    for conc in (4, 1):  # the defaults stated, then one tile per iteration
+        got = jax.jit(lambda x, q, c=conc: _finish(_tiles(_pad_x(x, q), q, 2048, c, x.dtype), x, q))(xe, qe)
+        assert np.array_equal(np.asarray(got.astype(jnp.float32)), exact), conc
+
+
+@pytest.mark.parametrize("concurrent", [1, 2, 3, 4])
+def test_tiles_every_split_of_loop_and_tail(concurrent):
+    """Small tiles (64 rows) so every case is cheap: n = 2 loop iterations' rows plus 0..3 whole tiles plus 0 or a
+    partial tile, and one of 3 iterations, each exact against the reference (bf16 outputs through the uint16 carry and
+    float32 ones, alternately)."""
+    from gemmajax.quant.int4_matmul import _finish, _pad_x, _tiles
+    tile = 64
+    cases = [(2, k, r) for k in range(4) for r in (0, 17)] + [(3, 1, 5)]
+    for i, (it, k, r) in enumerate(cases):
+        n = it * tile * concurrent + k * tile + r
+        xe, qe = _exact_case(2, 64, n, seed=n)
+        x = xe.astype(jnp.bfloat16 if i % 2 == 0 else jnp.float32)
+        got = jax.jit(lambda x, q: _finish(_tiles(_pad_x(x, q), q, tile, concurrent, x.dtype), x, q))(x, qe)
+        want = np.asarray(int4_matmul_ref(x, qe).astype(jnp.float32))
+        assert got.dtype == x.dtype and np.array_equal(np.asarray(got.astype(jnp.float32)), want), (n, x.dtype)
 
 
 @pytest.mark.parametrize("inp", [640, 100])

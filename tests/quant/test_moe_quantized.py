@@ -115,17 +115,23 @@ def _logits_with(model, ids, monkeypatch, experts) -> np.ndarray:
     return out
 
 
-# w8a8's int8 rounding of activations is discontinuous (one float32 ulp upstream can move a level), hence 1e-2 there:
-# measured 5.2e-3 with XLA:CPU's 512-bit vectors (gemmajax's default on AVX-512), under 1e-3 with 256-bit ones;
-# the bound still catches a flip on every row (about 1e-2 each)
+# w8a8's int8 rounding of activations is discontinuous (one float32 ulp upstream can move a level): a moved level
+# shows at the positions downstream of it, so w8a8 gets 1e-2 at its worst position (measured 5.2e-3 with XLA:CPU's
+# 512-bit vectors, gemmajax's default on AVX-512; 2.3e-7 with 256-bit ones) and 1e-5 at the median position
+# (measured 1.3e-7 with either; a wrong expert, scale or routing weight is wrong at every position)
 @pytest.mark.parametrize("quant", QUANTS)
 def test_quantized_moe_computes_its_reference(models, ids, quant, monkeypatch):
     """The serving dispatch (experts: gmm's CPU loop; projections: the CPU forms) == the jnp references on the same
     quantized weights (experts: gmm_ref, expert by expert through the 2-D references), through the whole model."""
     model = models[quant]
     want = _logits_with(model, ids, monkeypatch, gmm_ref)
-    err = _rel_max(model.logits(ids), want)
-    assert err <= (1e-2 if quant.startswith("w8") else 1e-5), f"{quant}: {err:.2e} of max |logit|"
+    got = np.asarray(model.logits(ids))
+    err = _rel_max(got, want)
+    if not quant.startswith("w8"):
+        assert err <= 1e-5, f"{quant}: {err:.2e} of max |logit|"
+        return
+    per_pos = np.abs(got - want).max(axis=-1) / np.abs(want).max()  # [B, T]
+    assert err <= 1e-2 and np.median(per_pos) <= 1e-5, (quant, err, np.sort(per_pos.ravel())[-5:])
 
 
 @pytest.mark.slow
@@ -137,7 +143,7 @@ def test_quantized_moe_through_the_pallas_kernel(models, ids, quant, monkeypatch
     short = ids[:, :12]  # 48 expert rows per layer: three row tiles of the kernel's 32
     got = _logits_with(model, short, monkeypatch, functools.partial(gmm, impl="pallas_interpret"))
     err = _rel_max(got, _logits_with(model, short, monkeypatch, gmm_ref))
-    assert err <= (1e-2 if quant.startswith("w8") else 1e-5), f"{quant}: {err:.2e} of max |logit|"
+    assert err <= (1e-3 if quant.startswith("w8") else 1e-5), f"{quant}: {err:.2e} of max |logit|"
 
 
 def test_qat_experts_repack_exactly(tmp_path, ids):
