@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRIALS = 16
+TRIALS = 12
 
 
 def _tol(t: dict) -> float:
