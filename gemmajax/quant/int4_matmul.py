@@ -417,7 +417,7 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     if form == "auto":
         form = "rows" if m <= _ROW_LOOP_MAX_M else "tiles"
     if form in ("tiles", "bf16", "dense"):
-        return _finish(_tiles(xb, w, out_dtype=x.dtype if x.dtype == jnp.bfloat16 else jnp.float32), x, w)
+        return _finish(_tiles(xb, w, out_dtype=xb.dtype), x, w)  # xb: bf16 for bf16 x, else float32
     if form != "rows":
         raise ValueError(f"int4_matmul_xla: form must be 'auto', 'rows' or 'tiles', got {form!r}")
     x2 = materialize(xb.astype(jnp.float32))
