@@ -24,7 +24,7 @@ from gemmajax.kv import (
     read_kv,
     write_kv,
 )
-from gemmajax.kv.attention import kernel_supports
+from gemmajax.kv.attention import kernel_supports, ragged_paged_attention_ref
 from gemmajax.kv.layout import storage_dtype
 
 DTYPES = {
@@ -524,3 +524,17 @@ def test_ref_bidirectional_blocks(window, block_q, in_window):
                      block_q=block_q)
     assert np.abs(np.asarray(causal)[:t0] - want).max() > 1e-2
     assert kernel_supports(case.kv_pages, case.q, meta) is not None   # the kernel does not take it: reference
+
+
+@pytest.mark.parametrize("items", [1, 3, 32])
+def test_ref_prefill_items_batching(items):
+    """Prefill chunks batched `items` per loop iteration (a count that does not divide the chunks, and one larger
+    than all of them) give the naive attention, with a window that cuts some chunks' ranges and not others."""
+    case = make_case(MIXED, n=4, nk=2, h=64, ps=16, dtype=jnp.float32, window=20, seed=11)
+    fn = jax.jit(functools.partial(ragged_paged_attention_ref, sm_scale=0.125, sliding_window=20, block_q=4,
+                                   block_kv=16, prefill_items=items))
+    out, _ = fn(case.q, case.k_new, case.v_new, case.kv_pages, case.meta)
+    want = naive_attention(case, sm_scale=0.125, window=20)
+    t = _real_rows(case)
+    np.testing.assert_allclose(np.asarray(out)[:t], want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(out)[t:], 0.0)
