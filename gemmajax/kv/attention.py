@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 # A large finite negative instead of -inf: exp(MASK - MASK) = 1 stays finite for rows with nothing to attend to.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-# Prefill chunks the reference batches per loop iteration (`_ref_prefill_chunks`); measured in ragged_paged_attention_ref.
+# Prefill chunks the reference batches per loop iteration (`_ref_prefill_chunks`). Gemma 3 270M, 2 cores, time to
+# first token of 16 prompts of 24 tokens, one process per value, load about 0.7 (not a quiet measurement): 1: 408 ms,
+# 4: 373, 8: 375, 16: 439, 32: 357; attention replaced by the identity 353. 8 is a guess among the close ones.
 PREFILL_ITEMS = 8
 
 
@@ -276,7 +278,7 @@ def _ref_decode_rows(
 
 def _ref_prefill_chunks(
     q, kv_pages, meta, out, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_q, block_kv, kv_dtype,
-    items: int = 1,
+    items: int,
 ):
     """Attention for the tokens of sequences with q_len >= 2, in chunks ("items") of `block_q` query rows of one
     sequence, `items` chunks per loop iteration (batched: one gather and one pair of dots for all of them).
