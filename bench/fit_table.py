@@ -11,7 +11,8 @@ shared/reference/anchors.md and are printed beside our projections, never mixed 
 
 Slices (`--slices`, docs/fit_table_slices.md): every size x quant x chip that does not fit one chip, again over a
 2x2 and a 2x4 slice (tensor parallel 4 / 8 by gemmajax.parallel's rules, expert parallelism on for 26B-A4B), the
-same fast mode, every figure per chip. Rows not regenerated in a run stay "not run".
+same fast mode over the decode and prefill (logits) steps (SLICE_STEPS), every figure per chip. Rows not
+regenerated in a run stay "not run".
 
 Run: JAX_PLATFORMS=cpu python bench/fit_table.py [--cache /tmp/fit_cache.json] [--out docs/fit_table.md]
      JAX_PLATFORMS=cpu python bench/fit_table.py --slices [--only 31b|none|v6e|2x2 ...]
@@ -36,6 +37,13 @@ CHIP_ORDER = ("v5e", "v6e")
 SETTINGS = dict(max_model_len=8192, max_num_seqs=16, max_num_batched_tokens=512, page_size=32, kv_dtype="bf16")
 PROJ_CONTEXT = 512
 STEPS = ("decode", "decode-greedy", "prefill-greedy", "prefill")  # the last (the largest program) is compiled first
+# Slices: the all-decode and the largest mixed step with logits out (the greedy twins differ only in returning tokens
+# instead of the [16, V] float32 logits, so they need less: 12b on v5e 2x2, peak 14.74 / 14.73 GiB against 14.75
+# for prefill / decode, measured); each compile of a sharded full-size step takes minutes
+# on 2 cores. The first overhead guess on a slice is smaller (a chip holds a quarter or an eighth of the activations:
+# 0.05 GiB of temporaries for 12b on v5e 2x2, measured).
+SLICE_STEPS = ("decode", "prefill")
+SLICE_GUESS = 256 * aot.MiB
 
 # Measured vLLM-TPU figures (shared/reference/anchors.md sections 0 and 2.4; xbill9/gemma4-dev and the
 # tpu-inference sweeps): weights GiB, decode tok/s at 1 and 16 streams, KV tokens; None where not reported.
@@ -80,7 +88,7 @@ SLICES = ("2x2", "2x4")
 
 
 def slice_rows() -> list[tuple[str, str, str, str]]:
-    """(model, quant, chip, topology): bf16 rows first (the quantized ones are compile errors today, see render)."""
+    """(model, quant, chip, topology): bf16 rows first, then the quantized ones."""
     rows = [(m, q, c, t) for t in SLICES for m, q, c in ONE_CHIP_MISSES]
     return sorted(rows, key=lambda r: (r[1] != "none", rows.index(r)))
 
@@ -98,7 +106,8 @@ def storage_quant(quant: str) -> str:
 def run_row(model: str, quant: str, chip: str, overhead_guess: int, log, topology: str = "1x1") -> dict:
     cfg = ModelConfig.preset(model)
     req = aot.AotRequest(cfg=cfg, chip=chip, topology=topology, quant=storage_quant(quant), probe=False,
-                         expert_parallel=topology != "1x1" and cfg.enable_moe, steps=STEPS,
+                         expert_parallel=topology != "1x1" and cfg.enable_moe,
+                         steps=STEPS if topology == "1x1" else SLICE_STEPS,
                          overhead_guess=overhead_guess, proj_context=PROJ_CONTEXT, **SETTINGS)
     t0 = time.perf_counter()
     res = aot.analyze(req, log=log)
@@ -231,9 +240,11 @@ def render_slices(results: dict[str, dict]) -> str:
         f"- **projection tok/s**: a roofline PROJECTION, not a measurement: one chip's HBM bandwidth / the bytes one "
         f"chip reads per decode step (its shards; KV of {PROJ_CONTEXT} tokens per stream); the chips read in "
         f"parallel and the all-reduces between them are not counted.",
-        "- **compile error**: the quantized matmul Pallas kernels (`gemmajax.quant`) are not wrapped in shard_map yet, "
-        "and Mosaic kernels cannot be partitioned by GSPMD, so the engine cannot run a quantized model tensor-parallel "
-        "on TPU: those rows say so instead of a fit.",
+        "- **quantized rows**: the int8 / int4 matmul kernels and the grouped expert matmul run per shard under "
+        "shard_map (`gemmajax.quant.sharded`: Mosaic kernels cannot be partitioned by GSPMD); a row whose step still "
+        "met a Pallas call outside a shard_map would read `compile error`.",
+        "- **steps**: the all-decode step (T=S=16) and the largest mixed step (T=512, S=16) with logits out, each at "
+        "full size (`SLICE_STEPS`); the greedy twins return tokens instead of the logits and need less.",
         "",
         "| model | quant | chip | slice | weights GiB | weights / chip GiB | fits | KV / chip GiB | KV tokens (ours) | "
         "peak / chip GiB | projection tok/s @1 | projection tok/s @16 | decided by |",
@@ -304,7 +315,7 @@ def main(argv=None) -> int:
             results[key] = dict(results[twin], quant=quant)
         else:
             g = f"{model}|{topo}"
-            guess = int(guesses.get(g, 768 * aot.MiB) * 1.1)
+            guess = int(guesses.get(g, 768 * aot.MiB if topo == "1x1" else SLICE_GUESS) * 1.1)
             print(f"== {key} (overhead guess {guess / aot.GiB:.2f} GiB)", flush=True)
             results[key] = run_row(model, quant, chip, guess, lambda m: print("   " + m, flush=True), topo)
             for c in results[key].get("compiles", []):
