@@ -1,0 +1,52 @@
+"""bench/fit_table.py's partial regeneration: rows a run does not compile keep their lines from the file it replaces."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "fit_table.py")
+
+
+@pytest.fixture(scope="module")
+def ft():
+    spec = importlib.util.spec_from_file_location("fit_table_under_test", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(model: str, quant: str, chip: str, *, fits: bool, kv: int, reason: str) -> dict:
+    gib = 1 << 30
+    return {"model": model, "quant": quant, "chip": chip, "weight_bytes": 3 * gib, "fits": fits, "compiled": True,
+            "kv_tokens": kv, "kv_tokens_vllm_style": kv // 2, "kv_bytes_per_token_ours": 2048,
+            "kv_bytes_per_token_vllm": 4096, "projection": {"tok_s_1": 100.0, "tok_s_16": 1500.0},
+            "reason": reason, "compiles": []}
+
+
+def test_rows_not_rerun_are_kept_marked_and_dated(ft, monkeypatch):
+    old = {"e2b|none|v5e": _row("e2b", "none", "v5e", fits=True, kv=111_111, reason="fits: old e2b"),
+           "12b|w8a8|v6e": _row("12b", "w8a8", "v6e", fits=True, kv=222_222, reason="fits: old 12b")}
+    first = ft.render(old).replace(ft.datetime.date.today().isoformat(), "2026-01-02")
+    earlier = ft.earlier_rows(first)
+    assert set(earlier) == {"e2b|none|v5e", "12b|w8a8|v6e"}      # "not run" rows are not carried over
+
+    new = {"12b|w8a8|v6e": _row("12b", "w8a8", "v6e", fits=False, kv=0, reason="does not fit: new 12b")}
+    doc = ft.render(new, earlier)
+    lines = doc.splitlines()
+    e2b = [ln for ln in lines if ln.startswith("| e2b")
+           and [c.strip() for c in ln.split("|")[1:4]] == ["e2b" + ft.KEPT, "none", "v5e"]]
+    assert len(e2b) == 1 and "111,111" in e2b[0]                  # kept verbatim, marked
+    b12 = [ln for ln in lines if ln.startswith("| 12b | w8a8 | v6e |")]
+    assert len(b12) == 1 and "222,222" not in b12[0] and "| no |" in b12[0]   # regenerated: the new result wins
+    assert "- `e2b|none|v5e`: fits: old e2b (kept from the run of 2026-01-02)" in lines
+    assert "- `12b|w8a8|v6e`: does not fit: new 12b" in lines and "fits: old 12b" not in doc
+    assert "1 rows marked" in doc
+
+    # a second partial run over that file keeps the row once, marked once, with its original date
+    again = ft.render({}, ft.earlier_rows(doc))
+    assert again.count("111,111") == 1 and ("e2b" + ft.KEPT * 2) not in again
+    assert again.count("(kept from the run of 2026-01-02)") == 1
+    today = ft.datetime.date.today().isoformat()
+    assert f"- `12b|w8a8|v6e`: does not fit: new 12b (kept from the run of {today})" in again.splitlines()
