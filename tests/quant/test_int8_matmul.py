@@ -202,6 +202,41 @@ def test_group_xla_forms_match_reference(m, form, g):
     _assert_close(out, ref, _order_bound(x, q, (640 + 640 // g + 5) if vector else 2 * (640 // g + 2)))
 
 
+@pytest.mark.parametrize("m", [64, 70])
+def test_wide_form_without_groups_is_exact(m):
+    """No act_group: "wide" multiplies the int8 levels in bf16 (exact) and sums in float32 (exact below 2**24:
+    |sum| <= 640 * 127 * 127 ~ 1.0e7), then scales as the reference does: the same bits."""
+    x, _, q = _data(m, 640, 1000, seed=21, xdtype=jnp.bfloat16)
+    out = jax.jit(lambda x, q: int8_matmul_xla(x, q, form="wide"))(x, q)
+    assert out.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(out), np.asarray(int8_matmul_ref(x, q)))
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 640, 1000), (96, 1024, 384), (64, 4096, 256)])
+def test_wide_form_with_groups_within_its_rounding(m, k, n):
+    """act_group 128, bf16 x with outlier channels: "wide" rounds each dequantized activation xq * x_scale to bf16
+    (relative 2**-9) before one GEMM, so it differs from the reference's integers by at most 2**-9 * S (S as in
+    _order_bound: w_scale * sum |xq| x_scale |wq|) plus one bf16 step of the output (both round to bf16 at the end)."""
+    x, _, q = _grouped(m, k, n, 128, seed=m + k, xdtype=jnp.bfloat16, outliers=True)
+    out = jax.jit(lambda x, q: int8_matmul_xla(x, q, form="wide"))(x, q)
+    ref = int8_matmul_ref(x, q)
+    s = _order_bound(x, q, 1) * 2.0**24
+    _assert_close(out, ref, 2.0**-9 * s * 1.01 + 2.0**-8 * np.abs(np.asarray(ref, np.float64)))
+    # and the bound is not vacuous: a typical output's bound is a small fraction of it (S grows as K, |y| as
+    # sqrt(K): 0.09 at in 4096), so a dropped group or a wrong scale would fail
+    assert float(np.median(2.0**-9 * s / np.maximum(np.abs(np.asarray(ref, np.float64)), 1e-3))) < 0.2
+
+
+def test_auto_form_by_rows_and_dtype():
+    """Grouped w8a8: the group loop below WIDE_MIN_ROWS rows or for float32 x, one GEMM ("wide") from it on."""
+    from gemmajax.quant.int8_matmul import WIDE_MIN_ROWS
+    for m, dt, loop in ((16, jnp.bfloat16, True), (WIDE_MIN_ROWS, jnp.bfloat16, False),
+                        (WIDE_MIN_ROWS, jnp.float32, True)):
+        x, _, q = _grouped(m, 640, 256, 128, seed=m, xdtype=dt, outliers=True)
+        f = jax.jit(lambda x, q: int8_matmul_xla(x, q))
+        assert ("while" in f.lower(x, q).as_text()) == loop, (m, dt)
+
+
 def test_group_auto_form_by_width():
     """One row: the dequantized-activation "vector" fusion up to in 3072, the group loop ("int") beyond it, where
     XLA:CPU's one-row fusion stops streaming (int8_matmul.py); both agree with the reference."""
