@@ -25,23 +25,27 @@ def _row(model: str, quant: str, chip: str, *, fits: bool, kv: int, reason: str)
             "reason": reason, "compiles": []}
 
 
-def test_rows_not_rerun_are_kept_marked_and_dated(ft, monkeypatch):
+def test_rows_not_rerun_are_kept_marked_and_dated(ft):
     old = {"e2b|none|v5e": _row("e2b", "none", "v5e", fits=True, kv=111_111, reason="fits: old e2b"),
            "12b|w8a8|v6e": _row("12b", "w8a8", "v6e", fits=True, kv=222_222, reason="fits: old 12b")}
     first = ft.render(old).replace(ft.datetime.date.today().isoformat(), "2026-01-02")
+    meas = "8.94 GiB; 144 / 2,008 tok/s"        # ANCHORS' e2b bf16 v5e cell, rebuilt on a kept row
+    assert meas in first
+    first = first.replace(meas, "a stale anchor")
     earlier = ft.earlier_rows(first)
     assert set(earlier) == {"e2b|none|v5e", "12b|w8a8|v6e"}      # "not run" rows are not carried over
 
-    new = {"12b|w8a8|v6e": _row("12b", "w8a8", "v6e", fits=False, kv=0, reason="does not fit: new 12b")}
+    new = {"12b|w8a8|v6e": _row("12b", "w8a8", "v6e", fits=False, kv=0, reason="does not fit: new\n  12b")}
     doc = ft.render(new, earlier)
     lines = doc.splitlines()
     e2b = [ln for ln in lines if ln.startswith("| e2b")
            and [c.strip() for c in ln.split("|")[1:4]] == ["e2b" + ft.KEPT, "none", "v5e"]]
-    assert len(e2b) == 1 and "111,111" in e2b[0]                  # kept verbatim, marked
+    assert len(e2b) == 1 and "111,111" in e2b[0]                  # kept, marked
+    assert meas in e2b[0] and "a stale anchor" not in doc
     b12 = [ln for ln in lines if ln.startswith("| 12b | w8a8 | v6e |")]
     assert len(b12) == 1 and "222,222" not in b12[0] and "| no |" in b12[0]   # regenerated: the new result wins
     assert "- `e2b|none|v5e`: fits: old e2b (kept from the run of 2026-01-02)" in lines
-    assert "- `12b|w8a8|v6e`: does not fit: new 12b" in lines and "fits: old 12b" not in doc
+    assert "- `12b|w8a8|v6e`: does not fit: new 12b" in lines and "fits: old 12b" not in doc   # one line
     assert "1 rows marked" in doc
 
     # a second partial run over that file keeps the row once, marked once, with its original date

@@ -301,8 +301,8 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     WIDE_MIN_ROWS rows of 16-bit x; else "int"; with act_group "vector" only up to in 3072, where XLA:CPU's one-row
     fusion stops streaming: see the module docstring). "int" and "batch" give the reference's integers; "vector"
     sums them in float32 (exact while |sum| < 2**24), as "wide" does without act_group; with act_group both multiply
-    the dequantized activations instead ("vector" rounds each product to float32, "wide" each activation to bf16:
-    2**-9 relative, below the int8 step of 2**-7 of the group maximum).
+    the dequantized activations instead ("vector" rounds each product to float32, "wide" each activation to x.dtype:
+    bf16 at most 2**-8 relative, below the int8 step of 2**-7 of the group maximum).
     """
     _check(x, w)
     x = _pad_in(x, w)
