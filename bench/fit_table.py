@@ -347,11 +347,16 @@ def main(argv=None) -> int:
         return (c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + c["temp_bytes"] + c["code_bytes"]
                 - c["kv_bytes"] - r.get("weight_bytes_per_chip", r["weight_bytes"]))
 
-    guesses: dict[str, int] = {}  # per model and slice: the overhead beyond the weights seen in an earlier compile
+    def kind(model: str, quant: str, topo: str) -> str:
+        """Rows whose overheads predict each other: same model and slice, bf16 or quantized (26b-a4b on v5e 2x2: bf16
+        experts 1.04 GiB of temporaries, w8a8 0.06)."""
+        return f"{model}|{topo}|{'bf16' if quant == 'none' else 'quantized'}"
+
+    guesses: dict[str, int] = {}  # per kind: the overhead beyond the weights seen in an earlier compile
     for key, r in results.items():
         for c in r.get("compiles", []):
             if c.get("oom") is None and c.get("error") is None and c.get("argument_bytes"):
-                g = f"{r['model']}|{r.get('topology', '1x1')}"
+                g = kind(r["model"], r["quant"], r.get("topology", "1x1"))
                 guesses[g] = max(guesses.get(g, 0), extra(c, r))
     if args.only:
         rows = [tuple(x.split("|")) for x in args.only]
@@ -366,7 +371,7 @@ def main(argv=None) -> int:
         if twin != key and twin in results:
             results[key] = dict(results[twin], quant=quant)
         else:
-            g = f"{model}|{topo}"
+            g = kind(model, quant, topo)
             guess = int(guesses.get(g, 768 * aot.MiB if topo == "1x1" else SLICE_GUESS) * 1.1)
             print(f"== {key} (overhead guess {guess / aot.GiB:.2f} GiB)", flush=True)
             results[key] = run_row(model, quant, chip, guess, lambda m: print("   " + m, flush=True), topo)
