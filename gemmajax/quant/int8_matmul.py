@@ -70,13 +70,13 @@ from gemmajax.quant.array import INT8_MAX, QuantArray
 _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 _VECTOR_MAX_IN = 3072  # grouped one-row "vector" up to this width; the group loop ("int") beyond (module docstring)
 # "wide" (one bf16 GEMM over the int8 levels) from this many rows of bf16 x; "int" (the group loop) below. Measured on
-# a 2-core AMD EPYC with AVX-512 bf16 (jax 0.10.2, act_group 128, bf16 x, in x out, min of 10 calls, ms int / wide): 64 rows
-# 640 x 2048 1.30 / 0.81, 2048 x 640 1.50 / 1.06, 640 x 1024 0.80 / 0.76, 1024 x 640 0.82 / 0.46; 384 rows 4.15 /
-# 2.72, 4.65 / 3.25, 2.17 / 1.57, 2.59 / 1.52; 16 rows mixed (0.50 / 0.52, 0.51 / 0.38, 0.33 / 0.24, 0.28 / 0.32):
-# the weight's conversion is a pass of its own, which many rows amortize. In the whole step the 16-row side is clear:
-# Gemma 3 270M w8a8, 16-stream decode, 89.1 / 89.9 ms a step with the loop, 148.2 / 139.2 ms with "wide" from 2 rows
-# (alternating processes, a compile paused for them), although lone calls over cold weights at 16 rows ran "wide"
-# 10-14 % faster.
+# a 2-core AMD EPYC with AVX-512 bf16 (jax 0.10.2, act_group 128, bf16 x, in x out, min of 10 calls, ms int / wide):
+# 64 rows 640 x 2048 1.30 / 0.81, 2048 x 640 1.50 / 1.06, 640 x 1024 0.80 / 0.76, 1024 x 640 0.82 / 0.46;
+# 384 rows 4.15 / 2.72, 4.65 / 3.25, 2.17 / 1.57, 2.59 / 1.52; 16 rows mixed (0.50 / 0.52, 0.51 / 0.38, 0.33 / 0.24,
+# 0.28 / 0.32): the weight's conversion is a pass of its own, which many rows amortize. In the whole step the 16-row
+# side is clear: Gemma 3 270M w8a8, 16-stream decode, 89.1 / 89.9 ms a step with the loop, 148.2 / 139.2 ms with
+# "wide" from 2 rows (alternating processes, a compile paused for them), although lone calls over cold weights at
+# 16 rows ran "wide" 10-14 % faster.
 WIDE_MIN_ROWS = 64
 
 
