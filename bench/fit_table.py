@@ -40,9 +40,9 @@ PROJ_CONTEXT = 512
 STEPS = ("decode", "decode-greedy", "prefill-greedy", "prefill")  # the last (the largest program) is compiled first
 # Slices: the all-decode and the largest mixed step with logits out (the greedy twins differ only in returning tokens
 # instead of the [16, V] float32 logits, so they need less: 12b on v5e 2x2, peak 14.74 / 14.73 GiB against 14.75
-# for prefill / decode, measured); each compile of a sharded full-size step takes minutes
-# on 2 cores. The first overhead guess on a slice is smaller (a chip holds a quarter or an eighth of the activations:
-# 0.05 GiB of temporaries for 12b on v5e 2x2, measured).
+# for prefill / decode, measured); each compile of a sharded full-size step takes minutes on 2 cores. The first
+# overhead guess on a slice is smaller (a chip holds a quarter or an eighth of the activations: 0.05 GiB of
+# temporaries for 12b on v5e 2x2, measured).
 SLICE_STEPS = ("decode", "prefill")
 SLICE_GUESS = 256 * aot.MiB
 

@@ -9,7 +9,8 @@ step time is (t(49 tokens) - t(1 token)) / 48 of `LLM.generate`, best of 3. The 
     .venv/bin/python bench/step_breakdown.py --modes none --streams 16
     .venv/bin/python bench/step_breakdown.py --constants --modes none --streams 16 --rounds 2   # weights as constants
 
-Measured with --constants (2-core AMD EPYC, AVX-512 bf16, 2026-12-03, load 1.04 before the run from a compile paused for it: not quiet, the two variants alternate in the same run):
+Measured with --constants (2-core AMD EPYC, AVX-512 bf16, 2026-12-03, load 1.04 before the run from a compile
+paused for it: not quiet, the two variants alternate in the same run):
 
 | mode | streams | step ms, args | step ms, constants | TTFT ms, args / constants | first generate s, args / constants | peak RSS MB, args / constants |
 |---|---:|---:|---:|---:|---:|---:|

@@ -312,23 +312,25 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     x2 = x.reshape(-1, x.shape[-1])
     (m, k), n, ag = x2.shape, w.padded_out, w.act_group
     xq, xs = quantize_activations(x2, ag, w.act_axis)
+    x16 = jnp.dtype(x.dtype).itemsize == 2
     if form == "auto":
         if m == 1 and (not ag or k <= _VECTOR_MAX_IN):
             form = "vector"
         else:
-            form = "wide" if m >= WIDE_MIN_ROWS and jnp.dtype(x.dtype).itemsize == 2 else "int"
+            form = "wide" if m >= WIDE_MIN_ROWS and x16 else "int"
     ws = w.scale.astype(jnp.float32)[None, :]
+
+    def dequantized():  # xq * x_scale per group, float32 [M, K]
+        return (xq.astype(jnp.float32).reshape(m, k // ag, ag) * xs[..., None]).reshape(m, k)
+
     if form == "wide":
-        cd = x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32
-        if ag:
-            xd = (xq.astype(jnp.float32).reshape(m, k // ag, ag) * xs[..., None]).reshape(m, k).astype(cd)
-            y = lax.dot_general(xd, w.values.astype(cd), _NT, preferred_element_type=jnp.float32) * ws
-        else:
-            y = lax.dot_general(xq.astype(cd), w.values.astype(cd), _NT, preferred_element_type=jnp.float32) * xs * ws
+        cd = x.dtype if x16 else jnp.float32
+        xa = dequantized().astype(cd) if ag else xq.astype(cd)
+        y = lax.dot_general(xa, w.values.astype(cd), _NT, preferred_element_type=jnp.float32)
+        y = y * ws if ag else y * xs * ws
     elif form == "vector":
         if ag:  # dequantize per group before the dot: the same one-row loop fusion
-            xd = (xq.astype(jnp.float32).reshape(m, k // ag, ag) * xs[..., None]).reshape(m, k)
-            y = jnp.dot(materialize(xd), w.values.astype(jnp.float32).T) * ws
+            y = jnp.dot(materialize(dequantized()), w.values.astype(jnp.float32).T) * ws
         else:
             y = jnp.dot(materialize(xq.astype(jnp.float32)), w.values.astype(jnp.float32).T) * xs * ws
     elif form in ("int", "batch") and not ag:
