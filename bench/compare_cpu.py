@@ -169,6 +169,10 @@ def child_gemmajax(mode: str, prompts, args) -> dict:
 
 
 def child_transformers(dtype_name: str, prompts, args) -> dict:
+    # bench/ is on sys.path (this script runs as bench/compare_cpu.py), and its kernels.py would stand in for the
+    # `kernels` package transformers imports when it is installed
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
