@@ -544,15 +544,22 @@ def project_spec(p: Projection, acfg: Any, dw: Any, chip: Chip, kv_dtype: str, k
 
 _UNPARTITIONED = "cannot be automatically partitioned"   # a Pallas call GSPMD met outside a shard_map
 _OOM_RE = re.compile(r"\(([\d.]+)([KMGT]?)\)\s*exceeds available HBM\s*\(([\d.]+)([KMGT]?)\)")
+# the compiler's other wording, when the arguments and the program together overflow: "Used 15.75G of 15.75G hbm.
+# Exceeded hbm capacity by 5.90M." (required = capacity + excess)
+_OOM_USED_RE = re.compile(r"Used [\d.]+[KMGT]? of ([\d.]+)([KMGT]?) hbm\.\s*Exceeded hbm capacity by ([\d.]+)([KMGT]?)")
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_oom(message: str) -> tuple[int, int] | None:
     """(bytes required, bytes available) from a CompileTimeHbmOom message, or None when it has no such numbers."""
     m = _OOM_RE.search(message)
-    if not m:
-        return None
-    return int(float(m.group(1)) * _UNIT[m.group(2)]), int(float(m.group(3)) * _UNIT[m.group(4)])
+    if m:
+        return int(float(m.group(1)) * _UNIT[m.group(2)]), int(float(m.group(3)) * _UNIT[m.group(4)])
+    m = _OOM_USED_RE.search(message)
+    if m:
+        cap = int(float(m.group(1)) * _UNIT[m.group(2)])
+        return cap + int(float(m.group(3)) * _UNIT[m.group(4)]), cap
+    return None
 
 
 class _DropKernelNoise(logging.Filter):

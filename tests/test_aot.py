@@ -223,6 +223,10 @@ def test_parse_oom_units():
            "HLO temporaries (18.00G) exceeds available HBM (15.75G). HLO module: jit_step.")
     assert aot.parse_oom(msg) == (int(18 * GiB), int(15.75 * GiB))
     assert aot.parse_oom("INTERNAL: something else") is None
+    # the other wording (seen from libtpu 0.0.52 compiling 26b-a4b w4a16+emb4 for v5e with a cache 5.90M too big)
+    msg2 = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
+            "memory space hbm. Used 15.75G of 15.75G hbm. Exceeded hbm capacity by 5.90M.")
+    assert aot.parse_oom(msg2) == (int(15.75 * GiB) + int(5.90 * (1 << 20)), int(15.75 * GiB))
 
 
 def test_31b_bf16_does_not_fit_v5e_without_compiling():
