@@ -552,13 +552,13 @@ _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_oom(message: str) -> tuple[int, int] | None:
     """(bytes required, bytes available) from a CompileTimeHbmOom message, or None when it has no such numbers."""
-    m = _OOM_RE.search(message)
-    if m:
-        return int(float(m.group(1)) * _UNIT[m.group(2)]), int(float(m.group(3)) * _UNIT[m.group(4)])
-    m = _OOM_USED_RE.search(message)
-    if m:
-        cap = int(float(m.group(1)) * _UNIT[m.group(2)])
-        return cap + int(float(m.group(3)) * _UNIT[m.group(4)]), cap
+    def size(m, i):  # the number in group i with its unit in group i + 1, in bytes
+        return int(float(m.group(i)) * _UNIT[m.group(i + 1)])
+
+    if m := _OOM_RE.search(message):
+        return size(m, 1), size(m, 3)
+    if m := _OOM_USED_RE.search(message):
+        return size(m, 1) + size(m, 3), size(m, 1)
     return None
 
 
