@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gemmajax.config import SLIDING, ModelConfig  # noqa: E402
+from gemmajax.config import ModelConfig  # noqa: E402
 from gemmajax.engine.runner import (  # noqa: E402
     RunnerSpec,
     StepInputs,
@@ -46,6 +46,8 @@ from gemmajax.engine.runner import (  # noqa: E402
     compiled_step,
     kv_groups,
     pow2_buckets,
+    seq_pages,
+    step_pages,
     step_shapes,
     token_buckets,
 )
@@ -363,18 +365,6 @@ def chip_page_bytes(spec: RunnerSpec) -> list[int]:
     return per
 
 
-def sliding_span(cfg: ModelConfig, max_model_len: int, chunk: int) -> int:
-    """Tokens one sequence keeps in the sliding group: the window plus one step's chunk (engine.runner.plan_pages)."""
-    w = max((s.window for s in cfg.layers if s.kind == SLIDING), default=0)
-    return min(max_model_len, w + chunk)
-
-
-def pages_per_seq(cfg: ModelConfig, group: str, max_model_len: int, chunk: int, page_size: int) -> int:
-    """Pages one max_model_len sequence holds in a group (+1 for a page boundary inside the span, as plan_pages)."""
-    span = sliding_span(cfg, max_model_len, chunk) if group == SLIDING else max_model_len
-    return math.ceil(span / page_size) + 1
-
-
 @dataclass
 class KVPlan:
     """Pages per group for a byte budget, split between groups in the engine's proportion (see plan_kv)."""
@@ -384,7 +374,7 @@ class KVPlan:
     page_bytes: tuple[int, ...]   # per chip (a page's share one chip holds; the whole page on one chip)
     seqs_at_max_len: float    # max_model_len-long sequences the pages hold at once (fractional)
     tokens: int               # context tokens the pages hold when filled with max_model_len-long sequences
-    minimum_bytes: int        # per chip: the null pages plus one max_model_len-long sequence
+    minimum_bytes: int        # per chip: the null and step pages plus one max_model_len-long sequence
     logical_page_bytes: tuple[int, ...] = ()  # every KV head once (= page_bytes on one chip)
 
     @property
@@ -406,33 +396,36 @@ def plan_kv(cfg: ModelConfig, budget: int, *, max_model_len: int, chunk: int, pa
             seqs: float | None = None, plan: Any = None) -> KVPlan:
     """Spend `budget` bytes on KV pages the way the engine does (engine.runner.plan_pages), without its cap.
 
-    A max_model_len-long sequence holds ceil(span / page_size) + 1 pages per group, where the span is the whole
-    context for full-attention layers and window + chunk for sliding layers; KV-shared layers hold nothing. The
-    budget, less one null page per group, buys n such sequences; each group gets 1 + floor(n x its pages per
-    sequence) pages (plan_pages' proportion, not capped at max_num_seqs). Counting: KV tokens = n x max_model_len,
-    the context the cache holds when filled with max_model_len-long sequences; sequences shorter than window +
-    chunk pay for every token in the sliding layers too (as vLLM-TPU's layout does). `seqs` fixes n instead.
-    plan (a gemmajax.parallel.ShardPlan): `budget` is one chip's, and pages cost what one chip holds of them
-    (`chip_page_bytes`).
+    Each group first gets its null page and its `step_pages` (a sliding group: one step's chunk of `chunk` tokens,
+    shared by all sequences); a max_model_len-long sequence then holds `seq_pages` per group: its whole context in
+    full-attention layers, window + 2 positions (plus page rounding) in sliding layers, nothing in KV-shared layers.
+    The rest of the budget buys n such sequences; each group gets 1 + its step pages + floor(n x its pages per
+    sequence). Counting: KV tokens = n x max_model_len, the context the cache holds when filled with
+    max_model_len-long sequences; sequences shorter than the window pay for every token in the sliding layers too
+    (as vLLM-TPU's layout does). `seqs` fixes n instead. plan (a gemmajax.parallel.ShardPlan): `budget` is one
+    chip's, and pages cost what one chip holds of them (`chip_page_bytes`).
     """
     spec = _probe_spec(cfg, page_size, kv_dtype, plan)
     groups, per_page = spec.groups, tuple(chip_page_bytes(spec))
-    pps = [pages_per_seq(cfg, g, max_model_len, chunk, page_size) for g in groups]
+    pps = [seq_pages(cfg, g, max_model_len, page_size) for g in groups]
+    fixed = [1 + step_pages(cfg, g, max_model_len, chunk, page_size) for g in groups]
     per_seq = sum(n * b for n, b in zip(pps, per_page))
-    null = sum(per_page)
-    n = seqs if seqs is not None else max(0.0, (budget - null) / per_seq)
-    pages = tuple(max(2, 1 + math.floor(n * k)) for k in pps)
-    held = min((p - 1) / k for p, k in zip(pages, pps))
-    return KVPlan(groups, pages, per_page, held, int(held * max_model_len), null + per_seq, tuple(spec.page_bytes()))
+    fixed_bytes = sum(n * b for n, b in zip(fixed, per_page))
+    n = seqs if seqs is not None else max(0.0, (budget - fixed_bytes) / per_seq)
+    pages = tuple(max(2, f + math.floor(n * k)) for f, k in zip(fixed, pps))
+    held = min((p - f) / k for p, f, k in zip(pages, fixed, pps))
+    return KVPlan(groups, pages, per_page, held, int(held * max_model_len), fixed_bytes + per_seq,
+                  tuple(spec.page_bytes()))
 
 
 def kv_bytes_per_token_ours(cfg: ModelConfig, max_model_len: int, chunk: int, page_size: int, kv_dtype: str) -> float:
-    """KV bytes per context token of one max_model_len sequence in our cache: sliding layers hold only window +
-    chunk tokens, KV-shared layers hold nothing (page rounding included)."""
+    """KV bytes per context token of one max_model_len sequence in our cache: sliding layers hold only their window
+    (+ 2 positions and page rounding), KV-shared layers nothing. The step's shared chunk pages (`step_pages`, paid
+    once per cache) are not in it; `chunk` is kept for the callers."""
     spec = _probe_spec(cfg, page_size, kv_dtype)
     total = 0.0
     for g, pb in zip(spec.groups, spec.page_bytes()):
-        total += pages_per_seq(cfg, g, max_model_len, chunk, page_size) * pb
+        total += seq_pages(cfg, g, max_model_len, page_size) * pb
     return total / max_model_len
 
 
@@ -975,8 +968,9 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     plan_kw = dict(max_model_len=req.max_model_len, chunk=chunk, page_size=req.page_size, kv_dtype=req.kv_dtype,
                    plan=tplan)
     res.count_note = (f"KV tokens = context the cache holds filled with {req.max_model_len}-token sequences, each "
-                      f"paying window + {chunk} tokens in sliding layers, its whole context in full layers, nothing "
-                      f"in KV-shared layers (pages rounded up); vLLM-TPU-style = the same bytes / "
+                      f"paying its window (+2) in sliding layers, its whole context in full layers, nothing in "
+                      f"KV-shared layers (pages rounded up), beside one step's {chunk}-token chunk of sliding pages "
+                      f"shared by all; vLLM-TPU-style = the same bytes / "
                       f"{res.kv_bytes_per_token_vllm / 1024:.1f} KiB per token")
 
     # 1. The cheap check: weights alone, or weights with the smallest useful cache, exceed the chip.

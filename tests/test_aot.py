@@ -59,19 +59,22 @@ def test_plan_kv_e2b_hand_computed():
     cfg = ModelConfig.preset("e2b")
     # E2B caches layers 0-14: 12 sliding (K=1, H=256) and 3 full (K=1, H=512); page 32 tokens, K and V, bf16.
     sliding_page, full_page = 12 * 2 * 32 * 256 * 2, 3 * 2 * 32 * 512 * 2
-    sliding_pps = math.ceil((512 + 512) / 32) + 1     # window 512 + chunk 512, one page for the boundary
+    # A sequence: window 512 + 2 positions, one page for the span's boundary and one the next token may open; the
+    # step's 512-token chunk is paid once for the pool (16 pages + 1 for its boundary), beside the null pages.
+    sliding_pps = math.ceil((512 + 2) / 32) + 2
     full_pps = 8192 // 32 + 1
+    chunk_pages = 512 // 32 + 1
     per_seq = sliding_pps * sliding_page + full_pps * full_page
-    null = sliding_page + full_page
-    budget = null + int(2.5 * per_seq)
+    fixed = (1 + chunk_pages) * sliding_page + full_page
+    budget = fixed + int(2.5 * per_seq)
     plan = aot.plan_kv(cfg, budget, max_model_len=8192, chunk=512, page_size=32, kv_dtype="bf16")
     assert plan.groups == ("sliding", "full")
     assert plan.page_bytes == (sliding_page, full_page)
-    assert plan.num_pages == (1 + math.floor(2.5 * sliding_pps), 1 + math.floor(2.5 * full_pps))
-    held = min((plan.num_pages[0] - 1) / sliding_pps, (plan.num_pages[1] - 1) / full_pps)
+    assert plan.num_pages == (1 + chunk_pages + math.floor(2.5 * sliding_pps), 1 + math.floor(2.5 * full_pps))
+    held = min((plan.num_pages[0] - 1 - chunk_pages) / sliding_pps, (plan.num_pages[1] - 1) / full_pps)
     assert plan.tokens == int(held * 8192) and 2.4 < held <= 2.5
     assert plan.cache_bytes <= budget
-    assert plan.minimum_bytes == null + per_seq
+    assert plan.minimum_bytes == fixed + per_seq
     ours = aot.kv_bytes_per_token_ours(cfg, 8192, 512, 32, "bf16")
     assert ours == pytest.approx(per_seq / 8192)
     assert ours < 0.5 * 18 * KiB  # windowed sliding layers: well under half of vLLM-TPU's 18 KiB
@@ -454,11 +457,14 @@ def test_31b_bf16_v5e_2x2_at_128k_does_not_fit(capsys):
     assert r["weight_bytes"] / GiB == pytest.approx(57.18, abs=0.01)
     chip = r["weight_bytes_per_chip"]
     assert chip == pytest.approx(r["weight_bytes"] / 4, rel=0.01) and chip > r["weight_bytes"] / 4
-    # one sequence's KV, by hand: 50 sliding layers x 16 KV heads x 256 over window 1024 + chunk 512 (+1 page) and
-    # 10 full layers x 4 KV heads x 512 (K = V) over 131072 (+1 page), both stored K and V, bf16; a quarter per chip
-    seq = 50 * (48 + 1) * 32 * 2 * 16 * 256 * 2 + 10 * (4096 + 1) * 32 * 2 * 4 * 512 * 2
-    assert seq / GiB == pytest.approx(11.2, abs=0.01)   # "11 GiB" in the issue
-    assert f"({seq / 4 / GiB + (50 * 2 * 16 * 256 + 10 * 2 * 4 * 512) * 64 / 4 / GiB:.2f} GiB of" in r["reason"]
+    # one sequence's KV, by hand: 50 sliding layers x 16 KV heads x 256 over window 1024 + 2 (33 pages, +2) and
+    # 10 full layers x 4 KV heads x 512 (K = V) over 131072 (+1 page), both stored K and V, bf16; beside it the
+    # null pages and the step's 512-token chunk of sliding pages (16 + 1); a quarter per chip
+    sliding_page, full_page = 50 * 32 * 2 * 16 * 256 * 2, 10 * 32 * 2 * 4 * 512 * 2
+    seq = (33 + 2) * sliding_page + (4096 + 1) * full_page
+    fixed = (1 + 17) * sliding_page + full_page
+    assert seq / GiB == pytest.approx(10.86, abs=0.01)   # "11 GiB" in the issue
+    assert f"({(seq + fixed) / 4 / GiB:.2f} GiB of" in r["reason"]
     assert chip + seq / 4 > aot.CHIPS["v5e"].hbm_limit
 
 

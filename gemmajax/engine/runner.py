@@ -116,25 +116,42 @@ def kv_groups(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(k for k in (SLIDING, FULL) if k in kinds)
 
 
+def seq_pages(cfg: ModelConfig, group: str, max_model_len: int, page_size: int) -> int:
+    """Pages one sequence of up to max_model_len tokens holds in a KV group between steps, at most: its whole
+    context in a full group; in a sliding group the keys its next query can see, W - 1 positions, plus the new
+    token and up to two tokens of lookahead or a drafter's reach (W + 2 positions), one page more for the span's
+    page boundary and one for the page the next token may open. The tokens a step adds past that come out of the
+    group's shared `step_pages`."""
+    windows = [s.window for s in cfg.layers if s.kind == group and s.window is not None]
+    span = max_model_len if group != SLIDING or not windows else min(max_model_len, max(windows) + 2)
+    return math.ceil(span / page_size) + (1 if group != SLIDING or not windows else 2)
+
+
+def step_pages(cfg: ModelConfig, group: str, max_model_len: int, max_num_batched_tokens: int, page_size: int) -> int:
+    """Pages of a sliding group that one step's chunks add beyond every sequence's own `seq_pages`: the step
+    writes at most max_num_batched_tokens tokens over all its sequences, and out-of-window pages go back after it
+    (BlockManager.release_out_of_window), so the chunk is paid once per pool, not once per sequence. 0 for a full
+    group (its sequences' pages already cover their whole context)."""
+    if group != SLIDING or not any(s.kind == group and s.window is not None for s in cfg.layers):
+        return 0
+    return math.ceil(min(max_num_batched_tokens, max_model_len) / page_size) + 1
+
+
 def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len: int, max_num_seqs: int,
                max_num_batched_tokens: int, kv_cache_memory: int) -> tuple[int, ...]:
-    """Pages per group for a byte budget. Each group is sized for what `max_num_seqs` full-length sequences
-    need (a sliding group only its window plus one step's chunk); when the budget is smaller, both shrink in
-    the same proportion. Page 0 of each group is the null page."""
+    """Pages per group for a byte budget: each group gets the null page, its `step_pages` (a sliding group: one
+    step's chunk, shared) and `seq_pages` for each of max_num_seqs sequences of max_model_len tokens. A smaller
+    budget keeps the null and step pages and buys n < max_num_seqs sequences' worth (gemmajax.aot.plan_kv spends a
+    budget the same way, without the cap); too few pages never breaks a step, the scheduler preempts."""
     groups = kv_groups(cfg)
     probe = RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype)
     per_page = probe.page_bytes()
-    need = []
-    for g in groups:
-        if g == SLIDING:
-            w = max(s.window for s in cfg.layers if s.kind == SLIDING)
-            span = min(max_model_len, w + max_num_batched_tokens)
-        else:
-            span = max_model_len
-        need.append(max_num_seqs * (math.ceil(span / page_size) + 1) + 1)
-    full_bytes = sum(n * b for n, b in zip(need, per_page))
-    frac = min(1.0, kv_cache_memory / full_bytes) if full_bytes else 1.0
-    return tuple(max(2, int(n * frac)) for n in need)
+    pps = [seq_pages(cfg, g, max_model_len, page_size) for g in groups]
+    fixed = [1 + step_pages(cfg, g, max_model_len, max_num_batched_tokens, page_size) for g in groups]
+    per_seq = sum(n * b for n, b in zip(pps, per_page))
+    fixed_bytes = sum(n * b for n, b in zip(fixed, per_page))
+    n = min(float(max_num_seqs), max(0.0, (kv_cache_memory - fixed_bytes) / per_seq)) if per_seq else max_num_seqs
+    return tuple(max(2, f + math.floor(n * k)) for f, k in zip(fixed, pps))
 
 
 def alloc_caches(spec: RunnerSpec) -> tuple:

@@ -6,11 +6,14 @@ run with preemptions must produce the same tokens as a run without."""
 
 import hashlib
 import random
+import types
 
 import numpy as np
 import pytest
 
+from gemmajax.config import FULL, SLIDING
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
+from gemmajax.engine.runner import seq_pages, step_pages
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gemmajax.engine.sequence import Sequence, SequenceStatus
@@ -358,3 +361,36 @@ def test_lookahead_only_in_the_steady_decode_state():
     sched.add(Sequence("d", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True)))
     out = sched.schedule()                  # c's last 9 tokens; d admitted
     assert sched.schedule_lookahead([s for s in out.scheduled if s.seq is c]) is None  # d is running, not in it
+
+
+def _plan_sizes(window, page, seqs, batched, max_len):
+    """Pages per group as the engine's plan_pages gives them at full budget, from its own helpers."""
+    cfg = types.SimpleNamespace(layers=[types.SimpleNamespace(kind=SLIDING, window=window),
+                                        types.SimpleNamespace(kind=FULL, window=None)])
+    full = 1 + seqs * seq_pages(cfg, FULL, max_len, page)
+    sliding_own = 1 + seqs * seq_pages(cfg, SLIDING, max_len, page)
+    return full, sliding_own, step_pages(cfg, SLIDING, max_len, batched, page)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_planned_pools_hold_max_num_seqs_without_preemption(seed):
+    """plan_pages' sliding pool (every sequence's window, one step's chunk shared) holds max_num_seqs full-length
+    sequences at once through chunked prefill and decode, with and without lookahead and a drafter's wider window
+    (+2): no preemption, every request to its full length."""
+    rng = random.Random(seed)
+    window, page = rng.choice([8, 12, 16, 33]), rng.choice([4, 8])
+    seqs, batched, max_len = rng.randrange(2, 7), rng.choice([16, 24, 32]), rng.choice([64, 80])
+    full, sliding_own, chunk = _plan_sizes(window, page, seqs, batched, max_len)
+    for reach, lookahead in ((0, False), (2, True)):
+        bm = BlockManager([KVGroupSpec("full", full, page),
+                           KVGroupSpec("sliding", sliding_own + chunk, page, window=window + reach)])
+        sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=batched, max_model_len=max_len,
+                                          eos_token_ids=(0,)), bm)
+        reqs = []
+        for i in range(seqs):   # short prompts too: decodes and prefill chunks share steps
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, max_len - 4))]
+            reqs.append(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=max_len - len(prompt), ignore_eos=True)))
+            sched.add(reqs[-1])
+        (run_with_lookahead if lookahead else run_to_completion)(sched, FakeModel(bm))
+        assert all(s.num_output_tokens == s.params.max_tokens for s in reqs)
+        assert sched.num_preemptions == 0, (window, page, seqs, batched, max_len, reach, lookahead)
