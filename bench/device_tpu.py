@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from device_h200 import timeit  # the same mean-of-reps timer (bench/ is the script's own folder)
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
@@ -186,18 +187,6 @@ def free_tree(tree) -> None:
         if isinstance(a, jax.Array) and not a.is_deleted():
             a.delete()
 
-
-def timeit(fn, *args, reps: int = 10, warmup: int = 2) -> float:
-    """Mean seconds per call of a jitted fn (blocked on after the last call only)."""
-    out = None
-    for _ in range(warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    t = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / reps
 
 
 def _hash_u32(shape: tuple[int, ...], seed) -> jax.Array:

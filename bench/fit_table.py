@@ -185,11 +185,11 @@ def render(results: dict[str, dict], earlier: dict[str, tuple[str, str | None]] 
         "accepted for all of them (`compile`). Rows "
         "marked `weights` were decided without compiling: the weights alone leave no room for one 8192-token "
         "sequence. KV tokens = the context the cache holds when filled with 8192-token sequences, each paying "
-        "window + 512 tokens in the sliding layers, its whole context in the full-attention layers and nothing in "
+        "its window (+2) in the sliding layers beside one 512-token chunk of sliding pages shared by the cache, its whole context in the full-attention layers and nothing in "
         "KV-shared layers (the engine's page split, `gemmajax.aot.plan_kv`).",
         "- **vLLM-style tokens**: the same KV bytes divided by the bytes per token of a cache where every KV-owning "
         "layer keeps the whole context (sliding layers not windowed), the layout the measured vLLM-TPU figures use.",
-        "- **KV KiB/token**: ours at 8192 tokens of context (sliding layers pay only window + chunk) / vLLM-style.",
+        "- **KV KiB/token**: ours at 8192 tokens of context (sliding layers pay only their window) / vLLM-style.",
         f"- **projection tok/s**: a roofline PROJECTION, not a measurement: HBM bandwidth / bytes read per decode "
         f"step (all weights; embedding and per-layer-embedding gathers only their rows; the tied LM head in full; "
         f"MoE experts hit by uniform routing; the KV of {PROJ_CONTEXT} tokens per stream, every layer reading its "

@@ -2,7 +2,8 @@
 
     python bench/kv_capacity.py [--budget-gib 4] [--context 8192] [--kv-dtype bf16]
 
-gemmajax: KV-shared layers own no cache; sliding-window layers keep only window + one step's chunk of tokens
+gemmajax: KV-shared layers own no cache; sliding-window layers keep at most window + one step's chunk of tokens (an upper
+bound: the engine's planner, runner.seq_pages / step_pages, pays the chunk once per cache, not per sequence)
 (whole pages); full-attention layers keep the whole context. vLLM-TPU (tpu-inference, Aug 2026): sliding-window KV
 disabled for Gemma 4, so every KV-owning layer stores the whole context (anchors.md sections 1.1 and 2.4: 12B
 allocates 336 KiB per token). Pure arithmetic over the published configs: nothing is run.

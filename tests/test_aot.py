@@ -295,7 +295,7 @@ def test_tiny_model_fits_v5e_with_pallas_and_proof_compile():
     limit = aot.CHIPS["v5e"].hbm_limit
     assert limit - r["margin_bytes"] - 64 * (1 << 20) < peak <= limit  # the cache fills the chip, and compiled
     assert proof["kv_bytes"] == r["kv_cache_bytes"] > 14 * GiB
-    # the windowed sliding layer: a 1024-token sequence holds 5 sliding pages (window 64 + chunk 64, + 1) of
+    # the windowed sliding layer: a 1024-token sequence holds 5 sliding pages (window 64 + 2 positions, + 2) of
     # 32 x 1 KiB and 33 full pages of 32 x 2 KiB, against vLLM-style 1 KiB + 2 KiB for every token
     ours = (5 * 32 * 1024 + 33 * 32 * 2048) / 1024
     assert r["kv_bytes_per_token_ours"] == pytest.approx(ours) and r["kv_bytes_per_token_vllm"] == 3072

@@ -142,7 +142,9 @@ def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len
     """Pages per group for a byte budget: each group gets the null page, its `step_pages` (a sliding group: one
     step's chunk, shared) and `seq_pages` for each of max_num_seqs sequences of max_model_len tokens. A smaller
     budget keeps the null and step pages and buys n < max_num_seqs sequences' worth (gemmajax.aot.plan_kv spends a
-    budget the same way, without the cap); too few pages never breaks a step, the scheduler preempts."""
+    budget the same way, without the cap); below one full-length sequence's worth every group shrinks in proportion
+    instead. Too few pages never break a step (the scheduler preempts), but a request longer than a group's pool
+    is refused at admission."""
     groups = kv_groups(cfg)
     probe = RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype)
     per_page = probe.page_bytes()
@@ -151,6 +153,10 @@ def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len
     per_seq = sum(n * b for n, b in zip(pps, per_page))
     fixed_bytes = sum(n * b for n, b in zip(fixed, per_page))
     n = min(float(max_num_seqs), max(0.0, (kv_cache_memory - fixed_bytes) / per_seq)) if per_seq else max_num_seqs
+    if n < 1:   # less than one full-length sequence: every group shrinks in proportion (the full group keeps its
+        need = [f + max_num_seqs * k for f, k in zip(fixed, pps)]   # share, so a long request still gets admitted)
+        frac = kv_cache_memory / sum(m * b for m, b in zip(need, per_page))
+        return tuple(max(2, int(m * frac)) for m in need)
     return tuple(max(2, f + math.floor(n * k)) for f, k in zip(fixed, pps))
 
 

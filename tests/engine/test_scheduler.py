@@ -394,3 +394,22 @@ def test_planned_pools_hold_max_num_seqs_without_preemption(seed):
         (run_with_lookahead if lookahead else run_to_completion)(sched, FakeModel(bm))
         assert all(s.num_output_tokens == s.params.max_tokens for s in reqs)
         assert sched.num_preemptions == 0, (window, page, seqs, batched, max_len, reach, lookahead)
+
+
+def test_plan_pages_by_hand():
+    """plan_pages for E2B (12 sliding layers K=1 H=256 window 512, 3 full layers K=1 H=512; bf16, pages of 32):
+    a sequence holds ceil(514 / 32) + 2 = 19 sliding and 8192 / 32 + 1 = 257 full pages, the step's 512-token chunk
+    17 sliding pages once; budgets of 4 (the cap), 2.5 and 0.5 sequences' worth (the last shrinks in proportion)."""
+    from gemmajax.config import ModelConfig
+    from gemmajax.engine.runner import plan_pages
+    cfg = ModelConfig.preset("e2b")
+    kw = dict(page_size=32, kv_dtype="bf16", max_model_len=8192, max_num_seqs=4, max_num_batched_tokens=512)
+    sliding_page, full_page = 12 * 2 * 32 * 256 * 2, 3 * 2 * 32 * 512 * 2
+    fixed = (1 + 17) * sliding_page + full_page
+    per_seq = 19 * sliding_page + 257 * full_page
+    assert plan_pages(cfg, kv_cache_memory=1 << 40, **kw) == (1 + 17 + 4 * 19, 1 + 4 * 257)
+    assert plan_pages(cfg, kv_cache_memory=fixed + int(2.5 * per_seq), **kw) == (18 + 47, 1 + 642)
+    need = (1 + 17 + 4 * 19, 1 + 4 * 257)
+    small = fixed + int(0.5 * per_seq)
+    frac = small / (need[0] * sliding_page + need[1] * full_page)
+    assert plan_pages(cfg, kv_cache_memory=small, **kw) == (int(need[0] * frac), int(need[1] * frac))

@@ -44,7 +44,7 @@ import torch
 
 import gemmajax
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
-from gemmajax.engine.runner import seq_pages, step_pages
+from gemmajax.engine.runner import plan_pages
 from gemmajax.engine.sampling_params import SamplingParams
 from tests.golden.hf_models import REAL_VOCAB, VARIANTS, build_hf_config, random_text_config, save_text_checkpoint
 
@@ -165,13 +165,17 @@ def kv_memory(model, tok, case: Case, kv_dtype: str = "auto") -> int:
     kv_tokens = max(max(len(p), min(len(p) + m, L) - 1) for p, m in zip(case.prompts, case.max_tokens))
     need = probe.block_manager.max_pages_needed(kv_tokens, case.engine["max_num_batched_tokens"])
     slack = case.seed % 3
-    # plan_pages gives each group its null and step pages, then floor(n x seq_pages) for n sequences' worth
-    fixed = [1 + step_pages(model.config, g, L, case.engine["max_num_batched_tokens"], probe.spec.page_size)
-             for g in probe.spec.groups]
-    pps = [seq_pages(model.config, g, L, probe.spec.page_size) for g in probe.spec.groups]
-    n = max(max(0.0, need_g + 1 + slack + 0.5 - f) / k for need_g, f, k in zip(need, fixed, pps))
-    tight = sum((f + n * k) * b for f, k, b in zip(fixed, pps, page_bytes))
-    return int(min(full_bytes, tight)) + 1
+    # the smallest budget (in 1 % steps) whose plan_pages pools give every group the request's pages + 1 + slack
+    kw = {"max_model_len": probe.max_model_len, "max_num_seqs": case.engine["max_num_seqs"],
+          "max_num_batched_tokens": case.engine["max_num_batched_tokens"]}
+    tight = max(1, full_bytes // 100)
+    while tight < full_bytes:
+        pages = plan_pages(model.config, page_size=probe.spec.page_size, kv_dtype=probe.spec.kv_dtype,
+                           kv_cache_memory=tight, **kw)
+        if all(p >= n + 1 + slack for p, n in zip(pages, need)):
+            return tight
+        tight += max(1, full_bytes // 100)
+    return full_bytes
 
 
 def run_engine(model, tok, case: Case, kv_dtype: str = "auto", logprobs: int | None = None):
