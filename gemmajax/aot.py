@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from gemmajax.config import ModelConfig  # noqa: E402
 from gemmajax.engine.runner import (  # noqa: E402
+    PagePlan,
     RunnerSpec,
     StepInputs,
     abstract_caches,
@@ -47,7 +48,6 @@ from gemmajax.engine.runner import (  # noqa: E402
     kv_groups,
     pow2_buckets,
     seq_pages,
-    step_pages,
     step_shapes,
     token_buckets,
 )
@@ -406,15 +406,11 @@ def plan_kv(cfg: ModelConfig, budget: int, *, max_model_len: int, chunk: int, pa
     chip's, and pages cost what one chip holds of them (`chip_page_bytes`).
     """
     spec = _probe_spec(cfg, page_size, kv_dtype, plan)
-    groups, per_page = spec.groups, tuple(chip_page_bytes(spec))
-    pps = [seq_pages(cfg, g, max_model_len, page_size) for g in groups]
-    fixed = [1 + step_pages(cfg, g, max_model_len, chunk, page_size) for g in groups]
-    per_seq = sum(n * b for n, b in zip(pps, per_page))
-    fixed_bytes = sum(n * b for n, b in zip(fixed, per_page))
-    n = seqs if seqs is not None else max(0.0, (budget - fixed_bytes) / per_seq)
-    pages = tuple(max(2, f + math.floor(n * k)) for f, k in zip(fixed, pps))
-    held = min((p - f) / k for p, f, k in zip(pages, fixed, pps))
-    return KVPlan(groups, pages, per_page, held, int(held * max_model_len), fixed_bytes + per_seq,
+    pp = PagePlan.of(cfg, spec.groups, chip_page_bytes(spec), max_model_len=max_model_len,
+                     max_num_batched_tokens=chunk, page_size=page_size)
+    pages = pp.pages(seqs if seqs is not None else pp.seqs_for(budget))
+    held = min((p - f) / k for p, f, k in zip(pages, pp.fixed, pp.per_seq))
+    return KVPlan(spec.groups, pages, pp.page_bytes, held, int(held * max_model_len), pp.fixed_bytes + pp.seq_bytes,
                   tuple(spec.page_bytes()))
 
 

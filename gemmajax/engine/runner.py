@@ -116,15 +116,23 @@ def kv_groups(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(k for k in (SLIDING, FULL) if k in kinds)
 
 
+def _window(cfg: ModelConfig, group: str) -> int | None:
+    """The widest window of a sliding group's layers; None for a full group (or a sliding one without windows)."""
+    if group != SLIDING:
+        return None
+    return max((s.window for s in cfg.layers if s.kind == group and s.window is not None), default=None)
+
+
 def seq_pages(cfg: ModelConfig, group: str, max_model_len: int, page_size: int) -> int:
     """Pages one sequence of up to max_model_len tokens holds in a KV group between steps, at most: its whole
     context in a full group; in a sliding group the keys its next query can see, W - 1 positions, plus the new
     token and up to two tokens of lookahead or a drafter's reach (W + 2 positions), one page more for the span's
     page boundary and one for the page the next token may open. The tokens a step adds past that come out of the
     group's shared `step_pages`."""
-    windows = [s.window for s in cfg.layers if s.kind == group and s.window is not None]
-    span = max_model_len if group != SLIDING or not windows else min(max_model_len, max(windows) + 2)
-    return math.ceil(span / page_size) + (1 if group != SLIDING or not windows else 2)
+    w = _window(cfg, group)
+    if w is None:
+        return math.ceil(max_model_len / page_size) + 1
+    return math.ceil(min(max_model_len, w + 2) / page_size) + 2
 
 
 def step_pages(cfg: ModelConfig, group: str, max_model_len: int, max_num_batched_tokens: int, page_size: int) -> int:
@@ -132,9 +140,41 @@ def step_pages(cfg: ModelConfig, group: str, max_model_len: int, max_num_batched
     writes at most max_num_batched_tokens tokens over all its sequences, and out-of-window pages go back after it
     (BlockManager.release_out_of_window), so the chunk is paid once per pool, not once per sequence. 0 for a full
     group (its sequences' pages already cover their whole context)."""
-    if group != SLIDING or not any(s.kind == group and s.window is not None for s in cfg.layers):
+    if _window(cfg, group) is None:
         return 0
     return math.ceil(min(max_num_batched_tokens, max_model_len) / page_size) + 1
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Per group: the pages every cache holds whatever its sequences (`fixed`: the null page and `step_pages`) and
+    the pages each max_model_len sequence adds (`per_seq`: `seq_pages`), with their bytes at `page_bytes` each."""
+
+    fixed: tuple[int, ...]
+    per_seq: tuple[int, ...]
+    page_bytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, groups, page_bytes, *, max_model_len: int, max_num_batched_tokens: int,
+           page_size: int) -> PagePlan:
+        return cls(tuple(1 + step_pages(cfg, g, max_model_len, max_num_batched_tokens, page_size) for g in groups),
+                   tuple(seq_pages(cfg, g, max_model_len, page_size) for g in groups), tuple(page_bytes))
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.fixed, self.page_bytes))
+
+    @property
+    def seq_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.per_seq, self.page_bytes))
+
+    def seqs_for(self, budget: int) -> float:
+        """Sequences' worth (fractional) a byte budget buys beside the fixed pages."""
+        return max(0.0, (budget - self.fixed_bytes) / self.seq_bytes) if self.seq_bytes else float("inf")
+
+    def pages(self, n: float) -> tuple[int, ...]:
+        """Pages per group holding the fixed pages and n sequences' worth (at least 2: the null page and one)."""
+        return tuple(max(2, f + math.floor(n * k)) for f, k in zip(self.fixed, self.per_seq))
 
 
 def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len: int, max_num_seqs: int,
@@ -147,17 +187,14 @@ def plan_pages(cfg: ModelConfig, *, page_size: int, kv_dtype: str, max_model_len
     is refused at admission."""
     groups = kv_groups(cfg)
     probe = RunnerSpec(cfg, groups, page_size, (1,) * len(groups), 1, kv_dtype)
-    per_page = probe.page_bytes()
-    pps = [seq_pages(cfg, g, max_model_len, page_size) for g in groups]
-    fixed = [1 + step_pages(cfg, g, max_model_len, max_num_batched_tokens, page_size) for g in groups]
-    per_seq = sum(n * b for n, b in zip(pps, per_page))
-    fixed_bytes = sum(n * b for n, b in zip(fixed, per_page))
-    n = min(float(max_num_seqs), max(0.0, (kv_cache_memory - fixed_bytes) / per_seq)) if per_seq else max_num_seqs
+    pp = PagePlan.of(cfg, groups, probe.page_bytes(), max_model_len=max_model_len,
+                     max_num_batched_tokens=max_num_batched_tokens, page_size=page_size)
+    n = min(float(max_num_seqs), pp.seqs_for(kv_cache_memory))
     if n < 1:   # less than one full-length sequence: every group shrinks in proportion (the full group keeps its
-        need = [f + max_num_seqs * k for f, k in zip(fixed, pps)]   # share, so a long request still gets admitted)
-        frac = kv_cache_memory / sum(m * b for m, b in zip(need, per_page))
+        need = [f + max_num_seqs * k for f, k in zip(pp.fixed, pp.per_seq)]   # share: a long request still fits)
+        frac = kv_cache_memory / sum(m * b for m, b in zip(need, pp.page_bytes))
         return tuple(max(2, int(m * frac)) for m in need)
-    return tuple(max(2, f + math.floor(n * k)) for f, k in zip(fixed, pps))
+    return pp.pages(n)
 
 
 def alloc_caches(spec: RunnerSpec) -> tuple:
