@@ -41,6 +41,7 @@ from gemmajax.model.loader import (
 )
 from gemmajax.model.safetensors_io import TensorInfo, index_checkpoint, load_tensor
 from gemmajax.quant.array import QuantArray, padded_in, padded_out
+from gemmajax.quant.loading import INT8_PAD_IN
 
 KIND = "compressed-tensors"
 INT4_GROUP = 32  # the only int4 group the kernels serve (w4a16)
@@ -458,7 +459,7 @@ class CompressedTensorsCheckpoint:
         levels, scale = self._levels(name, e)
         if e.kind == "int4":
             return int4_quantarray(levels, scale, pad_in_to=pad)
-        return int8_quantarray(levels, scale, pad_in_to=pad)
+        return int8_quantarray(levels, scale, pad_in_to=pad or INT8_PAD_IN)
 
     def _levels(self, logical: str, e: _Entry) -> tuple[np.ndarray, np.ndarray]:
         """(levels int8 [out, in], scale [out, groups] (int4) or [out] (int8)) as stored; checks layouts."""

@@ -164,17 +164,35 @@ def _int4_kernel(xl_ref, xh_ref, w_ref, s_ref, o_ref, st_ref, *acc, nk: int, gro
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
+# Bytes of a weight block (tn x tkp): large blocks, whole rows where they fit. Measured on a TPU v5e at M = 16
+# (bench/device_tpu_tiles.py, docs/device_tpu_v5e_tiles_2026-12-04.log): the kernel is VPU-bound near 200 GB/s and
+# larger blocks shave the per-step cost, e.g. E2B gate / up [12288 x 1536] 179 GB/s at the old (512, 768) blocks,
+# 198 at (4096, 768); down [1536 x 12288] 194 at (512, 1024), 220 at (512, 6144); 26B-A4B q [4096 x 2816] 192 at
+# (512, 1408), 198-201 at (2048-4096, 1408). 3 MiB keeps the kernel's float32 dequantization temporaries (six of
+# the block's size, 4 bytes each) within the 100 MiB VMEM limit it asks for.
+_INT4_BLOCK_BYTES = 3 << 20
+_INT4_MAX_TKP = 8192
+_INT4_MAX_TN = 4096
+
+
 def int4_blocks(m: int, n: int, half: int, group: int) -> tuple[int, int, int, int]:
-    """(tm, tn, tkp, m_padded) for x [m, 2*half] against w [n, half] bytes. tkp (bytes per half) is a multiple
-    of 128 that divides `half` and holds a multiple of 8 groups, or the whole half."""
+    """(tm, tn, tkp, m_padded) for x [m, 2*half] against w [n, half] bytes. tkp (bytes per half): the whole half up
+    to _INT4_MAX_TKP, else the largest multiple of 128 dividing it with a multiple of 8 groups; tn: the largest
+    multiple of 128 dividing n within _INT4_MAX_TN and _INT4_BLOCK_BYTES // tkp (at least 128), or the whole n when
+    128 does not divide it (then tkp shrinks, where it can, until the block is within _INT4_BLOCK_BYTES)."""
     if m <= 256:
         mp = -(-m // 16) * 16
         tm = mp
     else:
         tm = 256
         mp = -(-m // tm) * tm
-    tn = next((t for t in (512, 256, 128) if n % t == 0), n)  # v5e bundles per 1024 weights: 2.36 / 2.55 / 3.14
-    tkp = next((t for t in range(1024, 127, -128) if half % t == 0 and (t // group) % 8 == 0), half)
+    tkp = half if half <= _INT4_MAX_TKP else next(
+        (t for t in range(_INT4_MAX_TKP, 127, -128) if half % t == 0 and (t // group) % 8 == 0), half)
+    cap = max(128, min(_INT4_MAX_TN, _INT4_BLOCK_BYTES // tkp) // 128 * 128)
+    tn = next((t for t in range(cap, 127, -128) if n % t == 0), n)
+    if tn == n and n * tkp > _INT4_BLOCK_BYTES:  # n not a multiple of 128 (one N block): split K instead
+        tkp = next((t for t in range(_INT4_BLOCK_BYTES // n // 128 * 128, 127, -128)
+                    if half % t == 0 and (t // group) % 8 == 0), tkp)
     return tm, tn, tkp, mp
 
 

@@ -259,7 +259,9 @@ def test_w8a8_int_quantized_loads_exactly(w8a8, ids):
     for name in quant:  # (a) level * scale exactly; the stored levels untouched
         q = leaves[name]
         assert q.kind == "int8" and q.scale.dtype == np.float32
-        assert np.array_equal(np.asarray(q.values)[: q.shape[0]], levels[name]), name
+        vals = np.asarray(q.values)[: q.shape[0]]
+        assert q.padded_in == -(-q.shape[1] // 128) * 128, (name, q.padded_in)  # rows padded to 128 columns
+        assert np.array_equal(vals[:, : q.shape[1]], levels[name]) and not np.any(vals[:, q.shape[1]:]), name
         assert np.array_equal(np.asarray(dequantize(q)), encoded[name]), name
     # (b) the plain checkpoint of those values quantized on the fly (w8a8: max-abs per row) is the same weights,
     # so the same integers and, with the checkpoint's per-token activation scales, the same logits, bit for bit

@@ -1,6 +1,7 @@
 """w4a16: Pallas kernel (TPU interpret mode, pltpu.InterpretParams: uninitialized VMEM reads as NaN) against
 dequantize-then-matmul, bit-exact where the arithmetic is exact, and the XLA forms against the reference."""
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -255,3 +256,53 @@ def test_quantization_error_vs_float():
     yf = jnp.dot(x, w.T, precision="highest")
     rel = float(jnp.linalg.norm(y - yf) / jnp.linalg.norm(yf))
     assert 0.03 < rel < 0.12, rel
+
+
+def _legal(n: int, half: int, blocks) -> None:
+    tm, tn, tkp, mp = blocks
+    assert n % tn == 0 and (tn % 128 == 0 or tn == n), (n, half, blocks)
+    assert half % tkp == 0 and (tkp == half or (tkp % 128 == 0 and (tkp // 32) % 8 == 0)), (n, half, blocks)
+    assert tm % 16 == 0 and mp % tm == 0
+
+
+def test_default_blocks_are_legal_and_bounded():
+    """int4_blocks over the published models' projections and 200 random shapes (seeded): every block tiles the
+    weight by the kernel's rules, a whole half-row up to _INT4_MAX_TKP bytes, and the block stays within
+    _INT4_BLOCK_BYTES wherever a legal block that small exists (tn 128, or a K split when n is one block)."""
+    mod = importlib.import_module("gemmajax.quant.int4_matmul")  # the package exports a function of that name
+    rng = np.random.default_rng(0)
+    shapes = [(12288, 768), (1536, 6144), (2048, 768), (2112, 1408), (2816, 1056), (4096, 1408), (262144, 768),
+              (262144, 1408), (5376, 10752), (21504, 2688), (1000, 4096), (1000, 320)]
+    shapes += [(int(rng.integers(1, 200)) * int(rng.choice([8, 128])), int(rng.integers(1, 96)) * 128)
+               for _ in range(200)]
+    for n, half in shapes:
+        for m in (1, 16, 300):
+            b = mod.int4_blocks(m, n, half, 32)
+            _legal(n, half, b)
+            _, tn, tkp, _ = b
+            if half <= mod._INT4_MAX_TKP and (n % 128 == 0 or n * half <= mod._INT4_BLOCK_BYTES):
+                assert tkp == half, (n, half, b)
+            if n % 128 == 0:
+                assert tn * tkp <= mod._INT4_BLOCK_BYTES or tn == 128, (n, half, b)
+                assert tn <= mod._INT4_MAX_TN
+            elif tkp != half:  # the K split of a one-block n
+                assert n * tkp <= mod._INT4_BLOCK_BYTES, (n, half, b)
+            # the kernel takes them as an explicit override too (its own validation), traced abstractly
+            x = jax.ShapeDtypeStruct((m, 2 * half), jnp.bfloat16)
+            w = jax.eval_shape(lambda n=n, half=half: quantize(jnp.zeros((n, 2 * half), jnp.float32), "int4"))
+            out = jax.eval_shape(lambda x, w, b=b: int4_matmul_pallas(x, w, blocks=b[:3]), x, w)
+            assert out.shape == (m, n)
+
+
+@pytest.mark.parametrize("n,k", [(8192, 1024), (1000, 8192)])
+def test_kernel_exact_at_the_default_large_blocks(n, k):
+    """The default blocks at shapes where they are large: two 4,096-row N blocks over a whole 512-byte half-row;
+    and an unaligned n (one N block) whose 4,096-byte half-row is split in two K blocks to bound the block."""
+    from gemmajax.quant.int4_matmul import int4_blocks
+
+    tm, tn, tkp, _ = int4_blocks(16, n, k // 2, 32)
+    assert (n // tn, (k // 2) // tkp) == ((2, 1) if n == 8192 else (1, 2))
+    x, q = _exact_case(16, k, n, seed=3)
+    ref = jnp.dot(x.astype(jnp.float32), dequantize(q, jnp.float32).T, precision="highest")
+    out = int4_matmul_pallas(x.astype(jnp.float32), q, interpret=INTERPRET)
+    assert np.array_equal(np.asarray(out), np.asarray(ref))

@@ -309,3 +309,28 @@ def test_w8a8_loading_default():
     assert qz("model.layers.0.mlp.down_proj.weight", jnp.ones((8, 320))).act_group == 0
     assert qz("embed_tokens.weight", jnp.ones((30, 256))).act_group == 0
     assert Quantizer("w4a16")("model.layers.0.mlp.up_proj.weight", jnp.ones((8, 256))).act_group == 0
+
+
+def test_loader_pads_unaligned_int8_rows_to_128_columns():
+    """w8a8 loading pads a projection whose `in` is not a multiple of 128 (26B-A4B's down_proj, 2112) with zero
+    columns to the next multiple: the same integer products (the kernel and the XLA forms equal the reference on
+    the unpadded weight bit for bit), the same activation scales (act_group from the real width), and aligned rows
+    keep their width."""
+    from gemmajax.quant.loading import make_quantizer
+
+    rng = np.random.default_rng(5)
+    qz = make_quantizer("w8a8")
+    w = jnp.asarray(rng.standard_normal((96, 200)) * 0.05, jnp.float32)
+    padded = qz("model.layers.0.mlp.down_proj.weight", w)
+    plain = quantize(w, "int8", act_group=default_act_group(200))
+    assert padded.padded_in == 256 and padded.in_features == 200 and padded.act_group == plain.act_group == 0
+    assert np.array_equal(np.asarray(padded.values[:, :200]), np.asarray(plain.values))
+    assert not np.any(np.asarray(padded.values[:, 200:]))
+    for m in (1, 7):
+        x = jnp.asarray(rng.standard_normal((m, 200)), jnp.float32)
+        want = np.asarray(int8_matmul_ref(x, plain))
+        assert np.array_equal(np.asarray(int8_matmul_ref(x, padded)), want)
+        assert np.array_equal(np.asarray(int8_matmul_pallas(x, padded, interpret=pltpu.InterpretParams())), want)
+        assert np.array_equal(np.asarray(int8_matmul_xla(x, padded)), np.asarray(int8_matmul_xla(x, plain)))
+    aligned = qz("model.layers.0.self_attn.q_proj.weight", w[:, :128])
+    assert aligned.padded_in == 128 and aligned.act_group == 128
