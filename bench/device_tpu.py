@@ -29,6 +29,7 @@ test: tiny shapes, kernels in Pallas TPU interpret mode, the same code paths).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -348,11 +349,45 @@ def compile_prog(p: Prog):
     return compiled
 
 
-# Held while a step is timed, and by a background compile for its whole length: lowering is Python and holds the
-# interpreter's lock, which stalled the timing loop's dispatches (2026-12-04: fp8 26B-A4B steps timed at 53-223 ms
-# beside compiles, 15.3 / 53.5 ms alone; docs/device_tpu_v5e_fp8_2026-12-04.log). A timing waits for the compile
-# in flight to finish, and no compile starts while a step is timed.
-QUIET = threading.Lock()
+class _Quiet:
+    """Background compiles share it, a timed loop holds it alone: lowering is Python and holds the interpreter's
+    lock, which stalled the timing loop's dispatches (2026-12-04: fp8 26B-A4B steps timed at 53-223 ms beside
+    compiles, 15.3 / 53.5 ms alone; docs/device_tpu_v5e_fp8_2026-12-04.log). A timing waits (until the deadline) for
+    the compiles in flight; no compile starts while a timing waits or runs; compiles still run side by side."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.compiles = 0
+        self.timing = 0  # timings waiting or running
+
+    @contextlib.contextmanager
+    def compiling(self):
+        with self.cv:
+            self.cv.wait_for(lambda: self.timing == 0)
+            self.compiles += 1
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.compiles -= 1
+                self.cv.notify_all()
+
+    @contextlib.contextmanager
+    def timed(self):
+        with self.cv:
+            self.timing += 1
+            quiet = self.cv.wait_for(lambda: self.compiles == 0, timeout=max(0.0, CLOCK.left()))
+        if not quiet:
+            log("    timed beside a compile still running at the deadline")
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.timing -= 1
+                self.cv.notify_all()
+
+
+QUIET = _Quiet()
 
 
 class Precompiler:
@@ -378,7 +413,7 @@ class Precompiler:
                 job["error"] = TimeoutError(f"compile of {p.name} not started: deadline")
             else:
                 try:
-                    with QUIET:
+                    with QUIET.compiling():
                         job["result"] = compile_prog(p)
                 except BaseException as e:  # noqa: BLE001 -- handed to whoever waits for it
                     job["error"] = e
@@ -405,7 +440,7 @@ def run_steps(compiled, weights, kv, inp, steps: int, warmup: int = 2):
     (tok, h), kv = compiled(weights, kv, inp)
     jax.block_until_ready(tok)
     log(f"    first step {1e3 * (time.perf_counter() - t):.1f} ms")
-    with QUIET:  # no compile runs beside the timed steps
+    with QUIET.timed():  # no compile runs beside the timed steps
         for _ in range(warmup):
             (tok, h), kv = compiled(weights, kv, inp)
         jax.block_until_ready(tok)

@@ -341,6 +341,15 @@ def render_slices(results: dict[str, dict]) -> str:
 
 
 def main(argv=None) -> int:
+    saved = dict(SETTINGS)
+    try:
+        return _main(argv)
+    finally:  # --kv-dtype / --margin-mib set the module's SETTINGS for this run only
+        SETTINGS.clear()
+        SETTINGS.update(saved)
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                  "docs", "fit_table.md"))

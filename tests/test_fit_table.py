@@ -57,28 +57,22 @@ def test_rows_not_rerun_are_kept_marked_and_dated(ft):
     assert f"- `12b|w8a8|v6e`: does not fit: new 12b (kept from the run of {today})" in again.splitlines()
 
 
-def test_a_kv_dtype_table_shows_its_rows_only(ft, tmp_path, monkeypatch):
-    """--kv-dtype / --margin-mib other than the main table's: its own file and cache (default paths), the settings
-    in its header, only the rows it ran (no "not run" rows, nothing kept from the main table), and the main table's
-    settings untouched for the next render."""
-    saved = dict(ft.SETTINGS)
+def test_a_kv_dtype_table_shows_its_rows_only(ft, tmp_path):
+    """--kv-dtype / --margin-mib other than the main table's: the settings in its header, only the rows it ran (no
+    "not run" rows, nothing kept from the main table), --slices refused, and the module's settings back to the main
+    table's after the run."""
     cache = tmp_path / "cache.json"
     out = tmp_path / "fp8.md"
     row = _row("26b-a4b", "w4a16+emb4", "v5e", fits=True, kv=69_749, reason="fits: fp8")
     cache.write_text(json.dumps({"26b-a4b|w4a16+emb4|v5e": row}))
-    try:
-        assert ft.main(["--kv-dtype", "fp8_e4m3", "--margin-mib", "64", "--render-only", "--cache", str(cache),
-                        "--out", str(out)]) == 0
-        doc = out.read_text()
-    finally:
-        ft.SETTINGS.clear()
-        ft.SETTINGS.update(saved)
+    assert ft.main(["--kv-dtype", "fp8_e4m3", "--margin-mib", "64", "--render-only", "--cache", str(cache),
+                    "--out", str(out)]) == 0
+    doc = out.read_text()
     assert "KV cache fp8_e4m3, margin 64 MiB" in doc
     rows = [ln for ln in doc.splitlines() if ln.startswith("| ") and not ln.startswith("| model")]
     assert len(rows) == 1 and rows[0].startswith("| 26b-a4b | w4a16+emb4 | v5e |") and "69,749" in rows[0]
     assert "not run" not in doc and ft.KEPT not in doc
-    assert "KV cache bf16, margin 0.25 GiB" in ft.render({})   # the main table's header again
+    assert ft.SETTINGS == ft.DEFAULT_SETTINGS and "KV cache bf16, margin 0.25 GiB" in ft.render({})
     with pytest.raises(SystemExit):
         ft.main(["--kv-dtype", "fp8_e4m3", "--slices", "--render-only", "--cache", str(cache)])
-    ft.SETTINGS.clear()
-    ft.SETTINGS.update(saved)
+    assert ft.SETTINGS == ft.DEFAULT_SETTINGS

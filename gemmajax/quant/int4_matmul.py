@@ -173,13 +173,27 @@ def _int4_kernel(xl_ref, xh_ref, w_ref, s_ref, o_ref, st_ref, *acc, nk: int, gro
 _INT4_BLOCK_BYTES = 3 << 20
 _INT4_MAX_TKP = 8192
 _INT4_MAX_TN = 4096
+# The default blocks keep the kernel's VMEM estimate (_int4_vmem) within this, under the 100 MiB the kernel asks for;
+# blocks measured on the chip at M = 16 estimate up to 80.3 MiB ((16, 512, 6144), E2B down_proj's best).
+_INT4_VMEM_BUDGET = 84 << 20
 
 
-def int4_blocks(m: int, n: int, half: int, group: int) -> tuple[int, int, int, int]:
-    """(tm, tn, tkp, m_padded) for x [m, 2*half] against w [n, half] bytes. tkp (bytes per half): the whole half up
-    to _INT4_MAX_TKP, else the largest multiple of 128 dividing it with a multiple of 8 groups; tn: the largest
-    multiple of 128 dividing n within _INT4_MAX_TN and _INT4_BLOCK_BYTES // tkp (at least 128), or the whole n when
-    128 does not divide it (then tkp shrinks, where it can, until the block is within _INT4_BLOCK_BYTES)."""
+def _int4_vmem(tm: int, tn: int, tkp: int, groups: int, xb: int, ob: int, sb: int, nk: int) -> int:
+    """VMEM bytes of one int4_matmul_pallas grid step: double-buffered x halves, weight, scales and output blocks,
+    the transposed scales, the accumulator (nk > 1) and the dequantization's int32 / float32 temporaries."""
+    return (2 * (2 * tm * tkp * xb + tn * tkp + tn * groups * sb + tm * tn * ob) + groups * tn * 4
+            + (tm * tn * 4 if nk > 1 else 0) + 6 * tkp * tn * 4)
+
+
+def int4_blocks(m: int, n: int, half: int, group: int, xb: int = 2, ob: int = 2, sb: int = 2
+                ) -> tuple[int, int, int, int]:
+    """(tm, tn, tkp, m_padded) for x [m, 2*half] against w [n, half] bytes (xb / ob / sb: bytes of an activation,
+    an output, a scale). tkp (bytes per half): the whole half up to _INT4_MAX_TKP, else the largest multiple of 128
+    dividing it with a multiple of 8 groups; tn: the largest multiple of 128 dividing n within _INT4_MAX_TN and
+    _INT4_BLOCK_BYTES // tkp (at least 128), or the whole n when 128 does not divide it (then tkp shrinks, where it
+    can, until the block is within _INT4_BLOCK_BYTES). Then, while the step's VMEM (_int4_vmem: large row tiles of
+    prefill, float32 activations) exceeds _INT4_VMEM_BUDGET, the larger of tkp / tn steps down to its next legal
+    size."""
     if m <= 256:
         mp = -(-m // 16) * 16
         tm = mp
@@ -193,6 +207,17 @@ def int4_blocks(m: int, n: int, half: int, group: int) -> tuple[int, int, int, i
     if tn == n and n * tkp > _INT4_BLOCK_BYTES:  # n not a multiple of 128 (one N block): split K instead
         tkp = next((t for t in range(_INT4_BLOCK_BYTES // n // 128 * 128, 127, -128)
                     if half % t == 0 and (t // group) % 8 == 0), tkp)
+    groups = 2 * half // group
+    while _int4_vmem(tm, tn, tkp, groups, xb, ob, sb, half // tkp) > _INT4_VMEM_BUDGET:
+        k2 = next((t for t in range(min(tkp - 1, half) // 128 * 128, 127, -128)
+                   if half % t == 0 and (t // group) % 8 == 0), None)
+        n2 = next((t for t in range((tn - 1) // 128 * 128, 127, -128) if n % t == 0), None) if n % 128 == 0 else None
+        if k2 is not None and (tkp >= tn or n2 is None):
+            tkp = k2
+        elif n2 is not None:
+            tn = n2
+        else:
+            break
     return tm, tn, tkp, mp
 
 
@@ -207,7 +232,8 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     m = x2.shape[0]
     n, half, group = w.padded_out, w.padded_in // 2, w.group
     g = w.padded_in // group
-    tm, tn, tkp, mp = int4_blocks(m, n, half, group)
+    tm, tn, tkp, mp = int4_blocks(m, n, half, group, jnp.dtype(x2.dtype).itemsize, jnp.dtype(x.dtype).itemsize,
+                                  jnp.dtype(w.scale.dtype).itemsize)
     if blocks is not None:
         tm, tn, tkp = blocks
         mp = -(-m // tm) * tm
@@ -230,8 +256,7 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     ob = jnp.dtype(out_dtype).itemsize
     sb = jnp.dtype(w.scale.dtype).itemsize
     xb = jnp.dtype(x2.dtype).itemsize
-    vmem = (2 * (2 * tm * tkp * xb + tn * tkp + tn * g * sb + tm * tn * ob) + g * tn * 4
-            + (tm * tn * 4 if nk > 1 else 0) + 6 * tkp * tn * 4)  # + int32 / f32 temporaries of the dequant
+    vmem = _int4_vmem(tm, tn, tkp, g, xb, ob, sb, nk)
     y = pl.pallas_call(
         functools.partial(_int4_kernel, nk=nk, group=group),
         out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),

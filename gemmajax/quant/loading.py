@@ -23,9 +23,10 @@ TABLES = ("embed_tokens.weight", "embed_tokens_per_layer.weight")
 EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
 EXPERT_PAD_IN = {"int8": 128, "int4": 256}  # expert rows padded to whole 128-byte lanes (module docstring)
 # Dense int8 rows too: an `in` that is not a multiple of 128 (Gemma 4 26B-A4B's down_proj, 2112) made the w8a8
-# kernel's K block a partial lane tile; on a TPU v5e that projection ran at 85 GB/s, padded to 2176 at 375
-# (bench/device_tpu_tiles.py, docs/device_tpu_v5e_tiles_2026-12-04.log), for 3 % more bytes. int4 is left as it
-# is: its half-rows (1056 bytes) would need 2304 columns (+9 %) for 1.6x on that one projection.
+# kernel's K block a partial lane tile; on a TPU v5e that projection ran at 85 GB/s at any blocks, padded to 2176 at
+# 340 with the default blocks (bench/device_tpu_tiles.py, docs/device_tpu_v5e_tiles_2026-12-04.log), for 3 % more
+# bytes. On one chip: a row-parallel shard of the padded row (1088 at TP 2) is unaligned again. int4 is left as it
+# is: its half-rows (1056 bytes) would need 2304 columns (+9 % bytes) for 1.65x in time on that one projection.
 INT8_PAD_IN = 128
 
 

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from gemmajax.quant import QuantArray, dequantize, int4_matmul, int4_matmul_ref, quantize
-from gemmajax.quant.array import pack_int4
+from gemmajax.quant.array import pack_int4, padded_out
 from gemmajax.quant.int4_matmul import int4_matmul_gpu, int4_matmul_pallas, int4_matmul_xla
 
 INTERPRET = pltpu.InterpretParams()
@@ -266,21 +266,29 @@ def _legal(n: int, half: int, blocks) -> None:
 
 
 def test_default_blocks_are_legal_and_bounded():
-    """int4_blocks over the published models' projections and 200 random shapes (seeded): every block tiles the
-    weight by the kernel's rules, a whole half-row up to _INT4_MAX_TKP bytes, and the block stays within
-    _INT4_BLOCK_BYTES wherever a legal block that small exists (tn 128, or a K split when n is one block)."""
+    """int4_blocks over the published models' projections and 200 random shapes (seeded), decode and prefill rows,
+    bf16 and float32 activations: every block tiles the weight by the kernel's rules; the block stays within
+    _INT4_BLOCK_BYTES wherever a legal block that small exists (tn 128, or a K split when n is one block); the
+    kernel's VMEM estimate stays within _INT4_VMEM_BUDGET unless no smaller legal tn or tkp exists; a half-row of at
+    most _INT4_MAX_TKP bytes is taken whole when nothing forced a split."""
     mod = importlib.import_module("gemmajax.quant.int4_matmul")  # the package exports a function of that name
     rng = np.random.default_rng(0)
     shapes = [(12288, 768), (1536, 6144), (2048, 768), (2112, 1408), (2816, 1056), (4096, 1408), (262144, 768),
-              (262144, 1408), (5376, 10752), (21504, 2688), (1000, 4096), (1000, 320)]
+              (262144, 1408), (5376, 10752), (21504, 2688), (1000, 4096), (1000, 320), (2100, 2048), (2100, 1056)]
     shapes += [(int(rng.integers(1, 200)) * int(rng.choice([8, 128])), int(rng.integers(1, 96)) * 128)
                for _ in range(200)]
     for n, half in shapes:
-        for m in (1, 16, 300):
-            b = mod.int4_blocks(m, n, half, 32)
+        n = padded_out(n)  # the stored rows the kernel tiles (large unaligned `out` is padded to 128)
+        for m, xb in ((1, 2), (16, 2), (16, 4), (300, 2), (300, 4)):
+            b = mod.int4_blocks(m, n, half, 32, xb, xb, 2)
             _legal(n, half, b)
-            _, tn, tkp, _ = b
-            if half <= mod._INT4_MAX_TKP and (n % 128 == 0 or n * half <= mod._INT4_BLOCK_BYTES):
+            tm, tn, tkp, _ = b
+            vmem = mod._int4_vmem(tm, tn, tkp, 2 * half // 32, xb, xb, 2, half // tkp)
+            smaller_k = [t for t in range(128, tkp, 128) if half % t == 0 and (t // 32) % 8 == 0]
+            smaller_n = [t for t in range(128, tn, 128) if n % t == 0] if n % 128 == 0 else []
+            assert vmem <= mod._INT4_VMEM_BUDGET or not (smaller_k or smaller_n), (n, half, m, xb, b, vmem)
+            shrunk = mod._int4_vmem(tm, tn, half, 2 * half // 32, xb, xb, 2, 1) > mod._INT4_VMEM_BUDGET
+            if half <= mod._INT4_MAX_TKP and (n % 128 == 0 or n * half <= mod._INT4_BLOCK_BYTES) and not shrunk:
                 assert tkp == half, (n, half, b)
             if n % 128 == 0:
                 assert tn * tkp <= mod._INT4_BLOCK_BYTES or tn == 128, (n, half, b)

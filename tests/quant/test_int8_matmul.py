@@ -313,9 +313,9 @@ def test_w8a8_loading_default():
 
 def test_loader_pads_unaligned_int8_rows_to_128_columns():
     """w8a8 loading pads a projection whose `in` is not a multiple of 128 (26B-A4B's down_proj, 2112) with zero
-    columns to the next multiple: the same integer products (the kernel and the XLA forms equal the reference on
-    the unpadded weight bit for bit), the same activation scales (act_group from the real width), and aligned rows
-    keep their width."""
+    columns to the next multiple: the same integer products (the reference and the kernel on the padded weight give
+    the reference's bits on the unpadded one; the XLA form gives the same bits on both), the same activation scales
+    (act_group from the real width), and aligned rows keep their width."""
     from gemmajax.quant.loading import make_quantizer
 
     rng = np.random.default_rng(5)
