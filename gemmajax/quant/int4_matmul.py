@@ -185,6 +185,17 @@ def _int4_vmem(tm: int, tn: int, tkp: int, groups: int, xb: int, ob: int, sb: in
             + (tm * tn * 4 if nk > 1 else 0) + 6 * tkp * tn * 4)
 
 
+def _largest_tkp(half: int, group: int, limit: int) -> int | None:
+    """The largest K block of a half-row, at most `limit` bytes, that the kernel can split by: a multiple of 128
+    dividing `half` holding a multiple of 8 groups; None when there is none."""
+    return next((t for t in range(limit // 128 * 128, 127, -128) if half % t == 0 and (t // group) % 8 == 0), None)
+
+
+def _largest_tn(n: int, limit: int) -> int | None:
+    """The largest multiple of 128 dividing n, at most `limit`; None when there is none."""
+    return next((t for t in range(limit // 128 * 128, 127, -128) if n % t == 0), None)
+
+
 def int4_blocks(m: int, n: int, half: int, group: int, xb: int = 2, ob: int = 2, sb: int = 2
                 ) -> tuple[int, int, int, int]:
     """(tm, tn, tkp, m_padded) for x [m, 2*half] against w [n, half] bytes (xb / ob / sb: bytes of an activation,
@@ -200,18 +211,14 @@ def int4_blocks(m: int, n: int, half: int, group: int, xb: int = 2, ob: int = 2,
     else:
         tm = 256
         mp = -(-m // tm) * tm
-    tkp = half if half <= _INT4_MAX_TKP else next(
-        (t for t in range(_INT4_MAX_TKP, 127, -128) if half % t == 0 and (t // group) % 8 == 0), half)
-    cap = max(128, min(_INT4_MAX_TN, _INT4_BLOCK_BYTES // tkp) // 128 * 128)
-    tn = next((t for t in range(cap, 127, -128) if n % t == 0), n)
+    tkp = half if half <= _INT4_MAX_TKP else (_largest_tkp(half, group, _INT4_MAX_TKP) or half)
+    tn = _largest_tn(n, max(128, min(_INT4_MAX_TN, _INT4_BLOCK_BYTES // tkp))) or n
     if tn == n and n * tkp > _INT4_BLOCK_BYTES:  # n not a multiple of 128 (one N block): split K instead
-        tkp = next((t for t in range(_INT4_BLOCK_BYTES // n // 128 * 128, 127, -128)
-                    if half % t == 0 and (t // group) % 8 == 0), tkp)
+        tkp = _largest_tkp(half, group, _INT4_BLOCK_BYTES // n) or tkp
     groups = 2 * half // group
     while _int4_vmem(tm, tn, tkp, groups, xb, ob, sb, half // tkp) > _INT4_VMEM_BUDGET:
-        k2 = next((t for t in range(min(tkp - 1, half) // 128 * 128, 127, -128)
-                   if half % t == 0 and (t // group) % 8 == 0), None)
-        n2 = next((t for t in range((tn - 1) // 128 * 128, 127, -128) if n % t == 0), None) if n % 128 == 0 else None
+        k2 = _largest_tkp(half, group, tkp - 1)
+        n2 = _largest_tn(n, tn - 1) if n % 128 == 0 else None
         if k2 is not None and (tkp >= tn or n2 is None):
             tkp = k2
         elif n2 is not None:
@@ -232,8 +239,11 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     m = x2.shape[0]
     n, half, group = w.padded_out, w.padded_in // 2, w.group
     g = w.padded_in // group
-    tm, tn, tkp, mp = int4_blocks(m, n, half, group, jnp.dtype(x2.dtype).itemsize, jnp.dtype(x.dtype).itemsize,
-                                  jnp.dtype(w.scale.dtype).itemsize)
+    out_dtype = x.dtype
+    ob = jnp.dtype(out_dtype).itemsize
+    sb = jnp.dtype(w.scale.dtype).itemsize
+    xb = jnp.dtype(x2.dtype).itemsize
+    tm, tn, tkp, mp = int4_blocks(m, n, half, group, xb, ob, sb)
     if blocks is not None:
         tm, tn, tkp = blocks
         mp = -(-m // tm) * tm
@@ -252,10 +262,6 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     else:  # a half that is not lane-aligned: split x (a copy of the activations only)
         xs = (x2[:, :half], x2[:, half:])
         x_specs = [pl.BlockSpec((tm, tkp), lambda i, j, k: (i, k))] * 2
-    out_dtype = x.dtype
-    ob = jnp.dtype(out_dtype).itemsize
-    sb = jnp.dtype(w.scale.dtype).itemsize
-    xb = jnp.dtype(x2.dtype).itemsize
     vmem = _int4_vmem(tm, tn, tkp, g, xb, ob, sb, nk)
     y = pl.pallas_call(
         functools.partial(_int4_kernel, nk=nk, group=group),
