@@ -226,7 +226,11 @@ def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInp
         weights = spec.plan.annotate(weights)      # quantized kernels per shard (gemmajax.quant.sharded)
     h, kv = model_hidden(weights, spec, kv, inp)
     logits = gemma.lm_head(weights, spec.cfg, h)                     # [R, V] activation dtype
-    out = greedy_argmax(logits.astype(f32)) if greedy else logits.astype(f32)
+    # greedy: the argmax of the activation-dtype logits themselves. Their float32 copy is exact and order-preserving,
+    # so the token is the same; skipping it saves two passes over [R, V] (16 rows of 262,144 bf16 logits, lone on
+    # XLA:CPU: 1.9 -> 1.1 ms; Gemma 3 270M bf16 16-stream step 61.7 -> 57.8 ms, best of 4 alternating processes each,
+    # load 1.1-1.8, not a quiet machine)
+    out = greedy_argmax(logits) if greedy else logits.astype(f32)
     return ((out, h) if hidden else out), kv
 
 

@@ -86,6 +86,28 @@ def test_greedy_and_top_k_1_are_argmax():
     np.testing.assert_array_equal(toks[temps == 0], expect[temps == 0])
 
 
+def test_greedy_argmax_of_16_bit_logits_equals_the_float32_copy():
+    """The step's greedy token is the argmax of the activation-dtype logits (runner.model_step): it must be the first
+    index of the row maximum of their float32 copy, the sampler's rule, also with the ties that bf16 rounding makes
+    common, -inf rows and vocabularies that are not whole 512-token blocks. A row with a NaN gets some in-range token
+    (XLA:CPU's float32 max reduction skips NaN, the 16-bit one does not: such rows are garbage either way)."""
+    rng = np.random.default_rng(7)
+    for v in (7, 512, 1000, 262_144 + 3):
+        for dt in (jnp.bfloat16, jnp.float16):
+            x = (rng.normal(size=(5, v)) * rng.choice([0.01, 1.0, 30.0])).astype(np.float32)
+            x[1, rng.integers(0, v, 3)] = x[1].max() + 1.0   # a tie of three at the maximum
+            x[2] = -np.inf
+            x[3] = np.round(x[3] * 4) / 4                     # many exact ties
+            x[4, rng.integers(0, v)] = np.nan
+            low = jnp.asarray(x).astype(dt)
+            want = np.asarray(low.astype(jnp.float32))
+            expect = want[:4].argmax(-1)                      # numpy: the first index of the maximum
+            got = np.asarray(jax.jit(S._argmax)(low))
+            np.testing.assert_array_equal(got[:4], expect, err_msg=f"V={v} {dt}")
+            np.testing.assert_array_equal(np.asarray(jax.jit(S._argmax)(low.astype(jnp.float32)))[:4], expect)
+            assert 0 <= got[4] < v, (v, dt, got[4])
+
+
 def test_seeded_rows_reproduce_in_any_batch():
     rng = np.random.default_rng(1)
     row = rng.normal(size=1000).astype(np.float32)
