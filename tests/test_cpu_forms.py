@@ -217,3 +217,36 @@ def test_plain_greedy_rule():
     assert not plain_greedy([Seq(repetition_penalty=1.2)], [None])
     assert not plain_greedy([Seq()], [object()])  # a grammar
     assert not plain_greedy([Seq(banned=[1])], [None])  # stop ids below min_tokens
+
+
+@pytest.mark.parametrize("dtype,softcap,table", [(bf16, None, "plain"), (bf16, 30.0, "plain"), (bf16, None, "int8"),
+                                                  (jnp.float16, None, "plain"), (f32, None, "plain")])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_greedy_tokens_are_the_first_maximum_of_the_lm_heads_logits(dtype, softcap, table, rows):
+    """runner.greedy_tokens (the in-step greedy head: for a plain 16-bit table with no softcap on the CPU, float32
+    sums rounded inside the argmax) against numpy's first argmax of `gemma.lm_head`'s logits. The table repeats rows
+    (exact ties) and nudges copies of the best row by 2**-14 (float32 sums that differ but round to the same 16-bit
+    logit), so a head that took the float32 maximum, or the last of equal maxima, picks another token."""
+    from types import SimpleNamespace
+
+    from gemmajax.engine.runner import greedy_tokens
+    from gemmajax.model import gemma
+    rng = np.random.default_rng(3)
+    v, d = 1536, 64
+    h = _rand((rows, d), dtype, 4)
+    e = rng.standard_normal((v, d)).astype(np.float32) * 0.2
+    logits = np.asarray(h.astype(f32)) @ e.T
+    for r in range(rows):  # row r's best table row, copied to later slots (a tie) and nudged up (a near-tie)
+        best = int(logits[r].argmax())
+        for k, slot in enumerate(rng.choice(v, 3, replace=False)):
+            e[slot] = e[best] * (1 + 2.0 ** -14 * k)
+    emb = jnp.asarray(e, dtype)
+    table_w = quantize(emb, "int8") if table == "int8" else emb
+    cfg = SimpleNamespace(final_logit_softcap=softcap)
+    got = np.asarray(jax.jit(lambda t, h: greedy_tokens(SimpleNamespace(embed=t), cfg, h))(table_w, h))
+    want_logits = np.asarray(jax.jit(lambda t, h: gemma.lm_head(SimpleNamespace(embed=t), cfg, h))(table_w, h)
+                             .astype(f32))
+    np.testing.assert_array_equal(got, want_logits.argmax(-1))
+    if dtype != f32 and table == "plain":  # the nudged copies tie once rounded: the test can tell first from largest
+        raw = np.asarray(h.astype(f32)) @ np.asarray(emb.astype(f32)).T
+        assert (raw.argmax(-1) != got).any() or (want_logits.max(-1)[:, None] == want_logits).sum(-1).min() > 1

@@ -35,6 +35,8 @@ from gemmajax.kv.layout import KVLayout
 from gemmajax.model import gemma
 from gemmajax.model.gemma import pytree_dataclass
 from gemmajax.parallel import AXIS
+from gemmajax.quant.array import QuantArray
+from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu_f32
 
 f32 = jnp.float32
 
@@ -225,13 +227,25 @@ def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInp
     if spec.plan is not None:
         weights = spec.plan.annotate(weights)      # quantized kernels per shard (gemmajax.quant.sharded)
     h, kv = model_hidden(weights, spec, kv, inp)
-    logits = gemma.lm_head(weights, spec.cfg, h)                     # [R, V] activation dtype
-    # greedy: the argmax of the activation-dtype logits themselves. Their float32 copy is exact and order-preserving,
-    # so the token is the same; skipping it saves two passes over [R, V] (16 rows of 262,144 bf16 logits, lone on
-    # XLA:CPU: 1.9 -> 1.1 ms; Gemma 3 270M bf16 16-stream step 61.7 -> 57.8 ms, best of 4 alternating processes each,
-    # load 1.1-1.8, not a quiet machine)
-    out = greedy_argmax(logits) if greedy else logits.astype(f32)
+    out = greedy_tokens(weights, spec.cfg, h) if greedy else gemma.lm_head(weights, spec.cfg, h).astype(f32)
     return ((out, h) if hidden else out), kv
+
+
+def greedy_tokens(weights: gemma.Weights, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """The sampler's greedy rule on `gemma.lm_head(weights, cfg, h)`: int32 [R], the first index of each row's
+    maximum, taken on the activation-dtype logits themselves (their float32 copy is exact and order-preserving: the
+    same token, without two passes over [R, V]). A plain 16-bit table with no final softcap on the CPU goes one step
+    further: the float32 sums are rounded inside the argmax (`_argmax` round_to), so no rounded copy is written either.
+    Lone, on XLA:CPU, 16 rows of 262,144 logits: 1.9 ms for the float32 copy's argmax, 1.1 for the bf16 logits',
+    0.66 rounding inside. Gemma 3 270M bf16, 16-stream step (bench/step_breakdown.py children, alternating, 3 each,
+    load 0.9-1.7, not a quiet machine): the float32 copy 61.7-71.9 ms (best of 4 61.7), the bf16 logits' 57.8-63.1 (4)
+    and 59.2-63.0 (3), rounding inside 57.1-59.5 (3)."""
+    e = weights.embed
+    if cfg.final_logit_softcap or isinstance(e, QuantArray) or jnp.dtype(h.dtype).itemsize != 2:
+        return greedy_argmax(gemma.lm_head(weights, cfg, h))
+    return jax.lax.platform_dependent(
+        h, e, cpu=lambda h, e: greedy_argmax(dense_matmul_cpu_f32(h, e), round_to=h.dtype),
+        default=lambda h, e: greedy_argmax(dense_matmul(h, e)))
 
 
 def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[Any, tuple]:

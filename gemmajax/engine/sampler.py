@@ -144,12 +144,18 @@ def _blocks(x: jax.Array, fill: float) -> jax.Array:
     return x.reshape(b, -1, bs)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
+def _argmax(x: jax.Array, round_to=None) -> jax.Array:
     """First index of the row maximum, int32 [B]. Two levels: XLA's CPU argmax over 262144 columns is ~30x
-    slower than a max reduction."""
+    slower than a max reduction.
+
+    round_to: a dtype: the same index as `_argmax(x.astype(round_to))` without writing that rounded copy. Rounding
+    is monotone, so a block's rounded maximum is the maximum of its rounded values, and only the chosen block is
+    rounded element by element (16 x 262,144 float32 logits on XLA:CPU: 1.1 ms for the bf16 copy and its argmax,
+    0.66 ms this way)."""
     x3 = _blocks(x, NEG_INF)
-    blk = jnp.argmax(jnp.max(x3, axis=-1), axis=-1)
-    inner = jnp.argmax(jnp.take_along_axis(x3, blk[:, None, None], axis=1)[:, 0], axis=-1)
+    rnd = (lambda v: v) if round_to is None else (lambda v: v.astype(round_to))
+    blk = jnp.argmax(rnd(jnp.max(x3, axis=-1)), axis=-1)
+    inner = jnp.argmax(rnd(jnp.take_along_axis(x3, blk[:, None, None], axis=1)[:, 0]), axis=-1)
     return (blk * x3.shape[-1] + inner).astype(jnp.int32)
 
 

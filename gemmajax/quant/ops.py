@@ -39,6 +39,12 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
       "auto"   "vector" for one row, else "gemm" (bench/kernels.py). `jnp.dot(x_bf16, w.T)` in a whole model
                compiles to a float32 copy of every weight per call (10-40x slower at one row).
     """
+    return dense_matmul_cpu_f32(x, w, form).astype(x.dtype)
+
+
+def dense_matmul_cpu_f32(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Array:
+    """`dense_matmul_cpu` before its one rounding: the float32 sums [..., out] (for a consumer that rounds them
+    itself, e.g. the greedy LM head's argmax, without a pass that writes the rounded copy)."""
     x2 = x.reshape(-1, x.shape[-1])
     if form == "auto":
         form = "vector" if x2.shape[0] == 1 else "gemm"
@@ -48,7 +54,7 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
         y = lax.dot_general(x2, w.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
     else:
         raise ValueError(f"dense_matmul_cpu: form must be 'auto', 'vector' or 'gemm', got {form!r}")
-    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def linear(x: jax.Array, w: jax.Array | QuantArray, impl: str = "auto") -> jax.Array:

@@ -89,7 +89,8 @@ def test_greedy_and_top_k_1_are_argmax():
 def test_greedy_argmax_of_16_bit_logits_equals_the_float32_copy():
     """The step's greedy token is the argmax of the activation-dtype logits (runner.model_step): it must be the first
     index of the row maximum of their float32 copy, the sampler's rule, also with the ties that bf16 rounding makes
-    common, -inf rows and vocabularies that are not whole 512-token blocks. A row with a NaN gets some in-range token
+    common, -inf rows and vocabularies that are not whole 512-token blocks; with round_to, on float32 sums that only
+    tie once rounded. A row with a NaN gets some in-range token
     (XLA:CPU's float32 max reduction skips NaN, the 16-bit one does not: such rows are garbage either way)."""
     rng = np.random.default_rng(7)
     for v in (7, 512, 1000, 262_144 + 3):
@@ -106,6 +107,16 @@ def test_greedy_argmax_of_16_bit_logits_equals_the_float32_copy():
             np.testing.assert_array_equal(got[:4], expect, err_msg=f"V={v} {dt}")
             np.testing.assert_array_equal(np.asarray(jax.jit(S._argmax)(low.astype(jnp.float32)))[:4], expect)
             assert 0 <= got[4] < v, (v, dt, got[4])
+            # round_to: float32 sums rounded inside the argmax (runner.greedy_tokens) pick the rounded copy's token;
+            # values a hair apart in float32 tie once rounded, so the first of them must win, not the largest
+            fine = want[:4] * (1 + rng.uniform(-1e-4, 1e-4, size=want[:4].shape)).astype(np.float32)
+            i, j = sorted(rng.choice(v, 2, replace=False))
+            fine[0] = np.clip(fine[0], -0.5, 0.5)
+            fine[0, i], fine[0, j] = 1.0, 1.0 + 2.0 ** -12  # j is the float32 maximum; rounded, i ties and comes first
+            ref = np.asarray(jnp.asarray(fine).astype(dt).astype(jnp.float32)).argmax(-1)
+            assert ref[0] == i and fine[0].argmax() == j
+            np.testing.assert_array_equal(np.asarray(jax.jit(S._argmax, static_argnums=1)(jnp.asarray(fine), dt)),
+                                          ref, err_msg=f"round_to V={v} {dt}")
 
 
 def test_seeded_rows_reproduce_in_any_batch():
