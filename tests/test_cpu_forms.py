@@ -219,14 +219,42 @@ def test_plain_greedy_rule():
     assert not plain_greedy([Seq(banned=[1])], [None])  # stop ids below min_tokens
 
 
+def _near_tie_table(h: np.ndarray, v: int, dtype, rng) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """A [v, d] table (values exact in `dtype`) where row r of h has its best logit at slot a_r and a copy of that
+    table row one `dtype` ulp larger in one column at a later slot b_r, chosen so that the float32 sums differ
+    (b_r's is the float32 maximum) but round to the same `dtype` logit: the first-maximum rule must pick a_r.
+    Returns the table and [(a_r, b_r)]."""
+    d = h.shape[1]
+    e = np.array(jnp.asarray(rng.standard_normal((v, d)) * 0.05, dtype).astype(f32))
+    slots = rng.choice(v, 2 * len(h), replace=False).reshape(-1, 2)
+    pairs = []
+    for r, (a, b) in enumerate(np.sort(slots, axis=1)):
+        e[a] = np.asarray(jnp.asarray(h[r] / np.linalg.norm(h[r]) * 0.6, dtype).astype(f32))  # row r's clear best
+        for j in np.argsort(-np.abs(h[r])):
+            up = np.asarray(jnp.asarray(e[a, j], dtype).astype(f32))
+            step = np.float32(np.sign(h[r, j]) or 1.0)
+            nxt = np.asarray(jnp.nextafter(jnp.asarray(e[a, j], dtype), jnp.asarray(step * np.inf, dtype)).astype(f32))
+            cand = e[a].copy()
+            cand[j] = nxt
+            la, lb = (np.float32(np.dot(h[r].astype(np.float64), row)) for row in (e[a], cand))
+            same = np.asarray(jnp.asarray([la, lb], f32).astype(dtype).astype(f32))
+            if lb > la and same[0] == same[1] and up != nxt:
+                e[b] = cand
+                pairs.append((int(a), int(b)))
+                break
+        else:
+            raise AssertionError(f"row {r}: no one-ulp change of its best table row ties once rounded")
+    return e, pairs
+
+
 @pytest.mark.parametrize("dtype,softcap,table", [(bf16, None, "plain"), (bf16, 30.0, "plain"), (bf16, None, "int8"),
                                                   (jnp.float16, None, "plain"), (f32, None, "plain")])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_greedy_tokens_are_the_first_maximum_of_the_lm_heads_logits(dtype, softcap, table, rows):
     """runner.greedy_tokens (the in-step greedy head: for a plain 16-bit table with no softcap on the CPU, float32
-    sums rounded inside the argmax) against numpy's first argmax of `gemma.lm_head`'s logits. The table repeats rows
-    (exact ties) and nudges copies of the best row by 2**-14 (float32 sums that differ but round to the same 16-bit
-    logit), so a head that took the float32 maximum, or the last of equal maxima, picks another token."""
+    sums rounded inside the argmax) against numpy's first argmax of `gemma.lm_head`'s logits. For 16-bit plain
+    tables each row's best table row has a later copy one ulp larger (`_near_tie_table`): its float32 sum is the
+    largest but rounds to the same logit, so a head that took the float32 maximum picks another token."""
     from types import SimpleNamespace
 
     from gemmajax.engine.runner import greedy_tokens
@@ -234,12 +262,11 @@ def test_greedy_tokens_are_the_first_maximum_of_the_lm_heads_logits(dtype, softc
     rng = np.random.default_rng(3)
     v, d = 1536, 64
     h = _rand((rows, d), dtype, 4)
-    e = rng.standard_normal((v, d)).astype(np.float32) * 0.2
-    logits = np.asarray(h.astype(f32)) @ e.T
-    for r in range(rows):  # row r's best table row, copied to later slots (a tie) and nudged up (a near-tie)
-        best = int(logits[r].argmax())
-        for k, slot in enumerate(rng.choice(v, 3, replace=False)):
-            e[slot] = e[best] * (1 + 2.0 ** -14 * k)
+    hf = np.asarray(h.astype(f32))
+    if dtype != f32:
+        e, pairs = _near_tie_table(hf, v, dtype, rng)
+    else:
+        e, pairs = rng.standard_normal((v, d)).astype(np.float32) * 0.05, []
     emb = jnp.asarray(e, dtype)
     table_w = quantize(emb, "int8") if table == "int8" else emb
     cfg = SimpleNamespace(final_logit_softcap=softcap)
@@ -247,6 +274,7 @@ def test_greedy_tokens_are_the_first_maximum_of_the_lm_heads_logits(dtype, softc
     want_logits = np.asarray(jax.jit(lambda t, h: gemma.lm_head(SimpleNamespace(embed=t), cfg, h))(table_w, h)
                              .astype(f32))
     np.testing.assert_array_equal(got, want_logits.argmax(-1))
-    if dtype != f32 and table == "plain":  # the nudged copies tie once rounded: the test can tell first from largest
-        raw = np.asarray(h.astype(f32)) @ np.asarray(emb.astype(f32)).T
-        assert (raw.argmax(-1) != got).any() or (want_logits.max(-1)[:, None] == want_logits).sum(-1).min() > 1
+    if table == "plain" and softcap is None and dtype != f32:  # the construction holds: first, not largest
+        raw = (hf.astype(np.float64) @ e.T.astype(np.float64)).astype(np.float32)
+        for r, (a, b) in enumerate(pairs):
+            assert raw[r].argmax() == b and got[r] == a, (r, a, b, raw[r].argmax(), got[r])
