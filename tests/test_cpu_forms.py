@@ -2,6 +2,7 @@
 native bf16 GEMM behind `quant.linear`), w4a16's "bf16" chunked GEMM, the decode attention defaults, and the engine's
 in-step greedy argmax (against the sampler on the full logits)."""
 import dataclasses
+import importlib
 import re
 
 import jax
@@ -135,6 +136,52 @@ def test_int4_tiles_make_no_float32_copy_of_the_scales():
     x = _rand((16, 256), bf16, 11)
     assert w.scale.shape == (8192, 8)
     assert not re.search(r"= f32\[8192,8\]", _entry(lambda x, w: int4_matmul_xla(x, w, form="tiles"), x, w))
+
+
+def _chain_temp_bytes(kind, layers, width, rows, monkeypatch, plain_after):
+    """Temporary bytes XLA:CPU assigns to `layers` chained CPU matmuls (x <- linear(x, w_i), bf16 x of `rows` rows,
+    `kind` weights width x width), and the chain's output; plain_after: `after` replaced by the identity."""
+    i4 = importlib.import_module("gemmajax.quant.int4_matmul")  # the package exports functions of these names
+    i8 = importlib.import_module("gemmajax.quant.int8_matmul")
+    if plain_after:
+        for mod in (i4, i8):
+            monkeypatch.setattr(mod, "after", lambda x, w: w)
+    ws = [quantize(_rand((width, width), bf16, 30 + i, 0.05), kind, **({"act_group": 128} if kind == "int8" else {}))
+          for i in range(layers)]
+    form = {"int8": "wide", "int4": "tiles"}[kind]
+    mm = {"int8": i8.int8_matmul_xla, "int4": i4.int4_matmul_xla}[kind]
+
+    def chain(x, ws):
+        for w in ws:
+            x = mm(x, w, form=form)
+        return x
+    x = _rand((rows, width), bf16, 29)
+    compiled = jax.jit(chain).lower(x, ws).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, np.asarray(compiled(x, ws).astype(f32))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_weight_conversions_stay_beside_their_matmuls(kind, monkeypatch):
+    """int8 "wide" converts each weight to bf16 and int4 "tiles" dequantizes it, per call. Those conversions do not
+    depend on the activations, so XLA hoisted them all to the program's start and kept every layer's copy live at
+    once (Gemma 3 270M: 200-235 MB of temporary buffer, page-faulted in every step). `after` ties each to its
+    matmul's input: the temporary buffer holds about one layer's copy, whatever the depth, and the output is the
+    same bits. Checked against the identity in place of `after`, which must hoist (else this test proves nothing)."""
+    layers, width, rows = 8, 1024, 16
+    one_copy = width * width * 2  # one weight in bf16
+    tied, y = _chain_temp_bytes(kind, layers, width, rows, monkeypatch, plain_after=False)
+    hoisted, y_plain = _chain_temp_bytes(kind, layers, width, rows, monkeypatch, plain_after=True)
+    assert tied <= 3 * one_copy, (tied, one_copy)
+    assert hoisted >= (layers - 1) * one_copy, (hoisted, one_copy)
+    np.testing.assert_array_equal(y, y_plain)
+
+
+def test_after_is_the_identity_even_for_nan_activations():
+    from gemmajax.quant.int8_matmul import after
+    w = jnp.arange(-8, 8, dtype=jnp.int8).reshape(4, 4)
+    for first in (np.nan, -np.inf, np.inf, 0.0):
+        x = jnp.full((2, 3), 1.0, bf16).at[0, 0].set(first)
+        np.testing.assert_array_equal(np.asarray(jax.jit(after)(x, w)), np.asarray(w))
 
 
 # ------------------------------------------------------------------------------------------------ decode attention

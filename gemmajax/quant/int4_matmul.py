@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gemmajax.quant.array import QuantArray
-from gemmajax.quant.int8_matmul import materialize
+from gemmajax.quant.int8_matmul import after, materialize
 from gemmajax.quant.quantize import dequantize
 
 _ROW_LOOP_MAX_M = 1  # CPU: "rows" for one row only; from 2 rows the dequantized tiles cost no more (measured)
@@ -417,8 +417,8 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
     bf = jnp.dtype(out_dtype) == jnp.bfloat16
     if not bf and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"_tiles: out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
-    if n // tile <= 1:
-        return _tile_product(x2, v, s, g, live).astype(out_dtype)
+    if n // tile <= 1:  # `after`: dequantized beside its GEMM, not hoisted (int8_matmul.after)
+        return _tile_product(x2, after(x2, v), s, g, live).astype(out_dtype)
     if full < 2:  # concurrency only where the loop runs at least twice: a weight of fewer than 2 x `concurrent`
         step, full = tile, n // tile  # tiles goes tile by tile (else most of its dequantized copy is live at once)
 
@@ -442,7 +442,7 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
     y = lax.fori_loop(0, full, body, jnp.zeros((m, n), jnp.uint16 if bf else out_dtype))
     done = full * step
     for r0 in range(done, n, tile):  # at most concurrent - 1 whole tiles and a partial one, independent
-        tail = _tile_product(x2, v[r0:r0 + tile], s[r0:r0 + tile], g, live)
+        tail = _tile_product(x2, after(x2, v[r0:r0 + tile]), s[r0:r0 + tile], g, live)
         y = lax.dynamic_update_slice_in_dim(y, _cast(tail), r0, 1)
     return lax.bitcast_convert_type(y, jnp.bfloat16) if bf else y
 

@@ -24,7 +24,9 @@ CPU forms, measured with bench/kernels_matmul.py (2 shared cores, jax 0.10.2; th
 "vector" is `dot(materialize(xq.astype(f32)), w_int8.astype(f32).T) * x_scale * w_scale`: XLA:CPU turns a one-row
 dot over a converted, transposed operand into one loop fusion split over both cores, reading int8 at memory speed;
 from two rows on it becomes a generic dot on a float32 copy and the int8 GEMM wins by 5-20x. So: M = 1 "vector",
-M >= 2 "int" (also the GPU form). Both give the reference's integers; "vector" sums them in float32.
+M >= 2 "int" (also the GPU form). Both give the reference's integers; "vector" sums them in float32. Since then, for
+bf16 x from 2 rows, "wide" (one bf16 GEMM over the levels, the conversion kept beside it by `after`) beats "int"
+in the whole step (WIDE_MIN_ROWS); "int" stays for float32 x and the GPU.
 
 Activation groups (act_group G; the loaders' w8a8 default is 128, quantize.default_act_group). Gemma's activations
 have outlier channels: one scale per token gives every column the outliers' coarse step; per group only the
@@ -73,11 +75,11 @@ _VECTOR_MAX_IN = 3072  # grouped one-row "vector" up to this width; the group lo
 # a 2-core AMD EPYC with AVX-512 bf16 (jax 0.10.2, act_group 128, bf16 x, in x out, min of 10 calls, ms int / wide):
 # 64 rows 640 x 2048 1.30 / 0.81, 2048 x 640 1.50 / 1.06, 640 x 1024 0.80 / 0.76, 1024 x 640 0.82 / 0.46;
 # 384 rows 4.15 / 2.72, 4.65 / 3.25, 2.17 / 1.57, 2.59 / 1.52; 16 rows mixed (0.50 / 0.52, 0.51 / 0.38, 0.33 / 0.24,
-# 0.28 / 0.32): the weight's conversion is a pass of its own, which many rows amortize. In the whole step the 16-row
-# side is clear: Gemma 3 270M w8a8, 16-stream decode, 89.1 / 89.9 ms a step with the loop, 148.2 / 139.2 ms with
-# "wide" from 2 rows (alternating processes, a compile paused for them), although lone calls over cold weights at
-# 16 rows ran "wide" 10-14 % faster.
-WIDE_MIN_ROWS = 64
+# 0.28 / 0.32). In the whole step "wide" once lost at 16 rows (89 / 148 ms) because XLA hoisted every layer's weight
+# conversion to the program's start (a 235 MB temporary buffer, page-faulted in every call); with `after` it wins
+# from 2 rows: Gemma 3 270M w8a8 decode, ms a step int / wide, fresh processes alternating (load 1.0-1.6, not
+# quiet): 2 streams 46.8 / 37.3, 4 52.9 / 39.7, 8 65.4 / 52.9, 16 75.5 / 55.0 and 75.6 / 60.6 (bf16 59.3).
+WIDE_MIN_ROWS = 2
 
 
 def quantize_activations(x: jax.Array, group: int = 0, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -108,6 +110,17 @@ def materialize(v: jax.Array) -> jax.Array:
     cannot be folded. optimization_barrier does not survive to fusion on the CPU."""
     never = jnp.any(v.reshape(-1)[:1] < -jnp.inf)
     return lax.cond(never, lambda t: t * 0, lambda t: t, v)
+
+
+def after(x: jax.Array, w: jax.Array) -> jax.Array:
+    """w, made to depend on x (a select on x's first element that is never taken: NaN compares false, and no pass
+    folds it), so that XLA schedules the work on w (a weight's per-call dequantization or conversion) where x
+    exists, beside its matmul, instead of hoisting it to the program's start. Hoisted, every layer's converted weight
+    is live at once: Gemma 3 270M's step kept 200-235 MB of them in its temporary buffer (w4a16 16-row decode, w8a8
+    384-row prefill), and a buffer that size is a fresh mmap per call, page-faulted in every step; with this, 17-44
+    MB. The select fuses into the consumer: no copy of w."""
+    never = x.reshape(-1)[0] < -jnp.inf
+    return jnp.where(never, jnp.zeros((), w.dtype), w)
 
 
 def _check(x: jax.Array, w: QuantArray) -> None:
@@ -326,7 +339,7 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     if form == "wide":
         cd = x.dtype if x16 else jnp.float32
         xa = dequantized().astype(cd) if ag else xq.astype(cd)
-        y = lax.dot_general(xa, w.values.astype(cd), _NT, preferred_element_type=jnp.float32)
+        y = lax.dot_general(xa, after(xa, w.values).astype(cd), _NT, preferred_element_type=jnp.float32)
         y = y * ws if ag else y * xs * ws
     elif form == "vector":
         if ag:  # dequantize per group before the dot: the same one-row loop fusion

@@ -230,11 +230,12 @@ def test_wide_form_with_groups_within_its_rounding(m, k, n):
 
 @pytest.mark.parametrize("g", [128, 0])
 def test_auto_form_by_rows_and_dtype(g):
-    """w8a8: the group loop / one int8 GEMM ("int") below WIDE_MIN_ROWS rows or for float32 x, the bf16 GEMM
-    ("wide") from WIDE_MIN_ROWS rows of bf16 x: auto gives exactly the bits of the form it should pick."""
+    """w8a8 on several rows: the bf16 GEMM ("wide") from WIDE_MIN_ROWS (2) rows of bf16 x, the group loop / one int8
+    GEMM ("int") for float32 x: auto gives exactly the bits of the form it should pick (one row: the next test)."""
     from gemmajax.quant.int8_matmul import WIDE_MIN_ROWS
-    for m, dt, want in ((16, jnp.bfloat16, "int"), (WIDE_MIN_ROWS, jnp.bfloat16, "wide"),
-                        (WIDE_MIN_ROWS + 5, jnp.bfloat16, "wide"), (WIDE_MIN_ROWS, jnp.float32, "int")):
+    for m, dt, want in ((WIDE_MIN_ROWS, jnp.bfloat16, "wide"), (16, jnp.bfloat16, "wide"),
+                        (WIDE_MIN_ROWS + 5, jnp.bfloat16, "wide"), (WIDE_MIN_ROWS, jnp.float32, "int"),
+                        (16, jnp.float32, "int")):
         x, _, q = _grouped(m, 640, 256, g, seed=m, xdtype=dt, outliers=True)
         got = {f: np.asarray(jax.jit(lambda x, q, f=f: int8_matmul_xla(x, q, form=f))(x, q).astype(jnp.float32))
                for f in ("auto", "int", "wide")}
