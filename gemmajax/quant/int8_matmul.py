@@ -25,8 +25,9 @@ CPU forms, measured with bench/kernels_matmul.py (2 shared cores, jax 0.10.2; th
 dot over a converted, transposed operand into one loop fusion split over both cores, reading int8 at memory speed;
 from two rows on it becomes a generic dot on a float32 copy and the int8 GEMM wins by 5-20x. So: M = 1 "vector",
 M >= 2 "int" (also the GPU form). Both give the reference's integers; "vector" sums them in float32. Since then, for
-bf16 x from 2 rows, "wide" (one bf16 GEMM over the levels, the conversion kept beside it by `after`) beats "int"
-in the whole step (WIDE_MIN_ROWS); "int" stays for float32 x and the GPU.
+bf16 x, "wide" (one bf16 GEMM over the levels, the conversion kept beside it by `after`) beats "int" in the whole
+step from 64 rows, and from 2 rows for small weights with activation groups (`wide_pays`); "int" stays for the
+rest, float32 x and the GPU.
 
 Activation groups (act_group G; the loaders' w8a8 default is 128, quantize.default_act_group). Gemma's activations
 have outlier channels: one scale per token gives every column the outliers' coarse step; per group only the
@@ -77,9 +78,20 @@ _VECTOR_MAX_IN = 3072  # grouped one-row "vector" up to this width; the group lo
 # 384 rows 4.15 / 2.72, 4.65 / 3.25, 2.17 / 1.57, 2.59 / 1.52; 16 rows mixed (0.50 / 0.52, 0.51 / 0.38, 0.33 / 0.24,
 # 0.28 / 0.32). In the whole step "wide" once lost at 16 rows (89 / 148 ms) because XLA hoisted every layer's weight
 # conversion to the program's start (a 235 MB temporary buffer, page-faulted in every call); with `after` it wins
-# from 2 rows: Gemma 3 270M w8a8 decode, ms a step int / wide, fresh processes alternating (load 1.0-1.6, not
-# quiet): 2 streams 46.8 / 37.3, 4 52.9 / 39.7, 8 65.4 / 52.9, 16 75.5 / 55.0 and 75.6 / 60.6 (bf16 59.3).
-WIDE_MIN_ROWS = 2
+# from 2 rows for a weight with activation groups (their loop is what it replaces) and a small bf16 copy: Gemma 3
+# 270M w8a8 decode, ms a step int / wide, fresh processes alternating (load 1.0-1.6, not quiet): 2 streams
+# 46.8 / 37.3, 4 52.9 / 39.7, 8 65.4 / 52.9, 16 75.5 / 55.0 and 75.6 / 60.6 (bf16 59.3). Not for a weight without
+# groups (one int8 GEMM already) nor a large one below WIDE_MIN_ROWS: the +emb8 LM head (262,144 x 640) converted
+# per step is a 335 MB copy, 16-stream step 176-181 ms against 75.6 with its int8 GEMM; and a copy beyond glibc's
+# 32 MiB mmap threshold is page-faulted afresh in every call.
+WIDE_MIN_ROWS = 64  # "wide" for any weight from here (the per-call conversion amortized over the rows)
+WIDE_SMALL_ROWS = 2  # and from here for a grouped weight whose bf16 copy is at most WIDE_SMALL_MAX_BYTES
+WIDE_SMALL_MAX_BYTES = 8 << 20  # Gemma 3 270M's largest projection: 2.6 MB; unmeasured above it
+
+
+def wide_pays(m: int, n: int, k: int, act_group: int) -> bool:
+    """Whether `int8_matmul_xla`'s "auto" takes "wide" for m rows of 16-bit x times an [n, k] weight (see above)."""
+    return m >= WIDE_MIN_ROWS or (bool(act_group) and m >= WIDE_SMALL_ROWS and 2 * n * k <= WIDE_SMALL_MAX_BYTES)
 
 
 def quantize_activations(x: jax.Array, group: int = 0, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -310,15 +322,16 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     """XLA w8a8 (CPU / GPU). x [..., in] float, w int8 QuantArray [out, in] -> [..., out] in x.dtype.
 
     form: "vector" (f32 fusion, the CPU's fast one-row form) | "int" (int8 x int8 -> int32 dot_general; with
-    w.act_group one per group in a loop) | "batch" (one int8 dot_general batched over the groups, int32
-    [G', M, N], then the scaled sum) | "wide" (one GEMM in x's 16-bit dtype, float32 accumulation, over the weight's
-    levels converted to it, exact, and the activations: their levels without act_group, else the dequantized
-    xq * x_scale rounded once to x.dtype; float32 x stays float32) | "auto" ("vector" for one row; "wide" from
-    WIDE_MIN_ROWS rows of 16-bit x; else "int"; with act_group "vector" only up to in 3072, where XLA:CPU's one-row
-    fusion stops streaming: see the module docstring). "int" and "batch" give the reference's integers; "vector"
-    sums them in float32 (exact while |sum| < 2**24), as "wide" does without act_group; with act_group both multiply
-    the dequantized activations instead ("vector" rounds each product to float32, "wide" each activation to x.dtype:
-    bf16 at most 2**-8 relative, below the int8 step of 2**-7 of the group maximum).
+    w.act_group one per group in a loop) | "batch" (one int8 dot_general batched over the groups, int32 [G', M, N],
+    then the scaled sum) | "wide" (one GEMM in x's 16-bit dtype, float32 accumulation, over the weight's levels
+    converted to it, exact, and the activations: their levels without act_group, else the dequantized xq * x_scale
+    rounded once to x.dtype; float32 x stays float32) | "auto" ("vector" for one row; "wide" from WIDE_MIN_ROWS rows
+    of 16-bit x, or from 2 for a small grouped weight (`wide_pays`); else "int"; with act_group "vector" only up to
+    in 3072, where XLA:CPU's one-row fusion stops streaming: see the module docstring). "int" and "batch" give the
+    reference's integers; "vector" sums them in float32 (exact while |sum| < 2**24), as "wide" does without
+    act_group; with act_group both multiply the dequantized activations instead ("vector" rounds each product to
+    float32, "wide" each activation to x.dtype: bf16 at most 2**-8 relative, below the int8 step of 2**-7 of the
+    group maximum).
     """
     _check(x, w)
     x = _pad_in(x, w)
@@ -330,7 +343,7 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
         if m == 1 and (not ag or k <= _VECTOR_MAX_IN):
             form = "vector"
         else:
-            form = "wide" if m >= WIDE_MIN_ROWS and x16 else "int"
+            form = "wide" if x16 and wide_pays(m, n, k, ag) else "int"
     ws = w.scale.astype(jnp.float32)[None, :]
 
     def dequantized():  # xq * x_scale per group, float32 [M, K]

@@ -228,21 +228,27 @@ def test_wide_form_with_groups_within_its_rounding(m, k, n):
     assert float(np.median(2.0**-8 * s / np.maximum(np.abs(np.asarray(ref, np.float64)), 1e-3))) < 0.3
 
 
-@pytest.mark.parametrize("g", [128, 0])
-def test_auto_form_by_rows_and_dtype(g):
-    """w8a8 on several rows: the bf16 GEMM ("wide") from WIDE_MIN_ROWS (2) rows of bf16 x, the group loop / one int8
-    GEMM ("int") for float32 x: auto gives exactly the bits of the form it should pick (one row: the next test)."""
-    from gemmajax.quant.int8_matmul import WIDE_MIN_ROWS
-    for m, dt, want in ((WIDE_MIN_ROWS, jnp.bfloat16, "wide"), (16, jnp.bfloat16, "wide"),
-                        (WIDE_MIN_ROWS + 5, jnp.bfloat16, "wide"), (WIDE_MIN_ROWS, jnp.float32, "int"),
-                        (16, jnp.float32, "int")):
-        x, _, q = _grouped(m, 640, 256, g, seed=m, xdtype=dt, outliers=True)
-        got = {f: np.asarray(jax.jit(lambda x, q, f=f: int8_matmul_xla(x, q, form=f))(x, q).astype(jnp.float32))
-               for f in ("auto", "int", "wide")}
-        other = "int" if want == "wide" else "wide"
-        assert np.array_equal(got["auto"], got[want]), (m, dt, g)
-        if g:   # with groups the two forms round differently, so the check above tells them apart
-            assert not np.array_equal(got["auto"], got[other]), (m, dt, g)
+@pytest.mark.parametrize("m,n,g,dt,want", [
+    (2, 256, 128, jnp.bfloat16, "wide"), (16, 256, 128, jnp.bfloat16, "wide"),   # small grouped weight: from 2 rows
+    (16, 8192, 128, jnp.bfloat16, "int"),    # its bf16 copy (10.5 MB) over WIDE_SMALL_MAX_BYTES: the group loop
+    (16, 256, 0, jnp.bfloat16, "int"), (63, 256, 0, jnp.bfloat16, "int"),       # no groups: one int8 GEMM ...
+    (64, 256, 0, jnp.bfloat16, "wide"), (69, 8192, 128, jnp.bfloat16, "wide"),  # ... until WIDE_MIN_ROWS, any size
+    (16, 256, 128, jnp.float32, "int"), (64, 256, 0, jnp.float32, "int")])      # float32 x: never "wide"
+def test_auto_form_by_rows_size_and_dtype(m, n, g, dt, want):
+    """w8a8 on several rows: auto gives exactly the bits of the form it should pick (int8_matmul.wide_pays; one row:
+    the next test). With groups the two forms round differently, so the comparison tells them apart; without, a
+    16-bit x gives the same bits either way (exact levels), and the choice is checked on wide_pays itself."""
+    from gemmajax.quant.int8_matmul import WIDE_MIN_ROWS, WIDE_SMALL_MAX_BYTES, wide_pays
+    assert 2 * 256 * 640 <= WIDE_SMALL_MAX_BYTES < 2 * 8192 * 640 and WIDE_MIN_ROWS == 64  # the cases' premises
+    if dt == jnp.bfloat16:
+        assert wide_pays(m, n, 640, g) == (want == "wide")
+    x, _, q = _grouped(m, 640, n, g, seed=m + n, xdtype=dt, outliers=True)
+    got = {f: np.asarray(jax.jit(lambda x, q, f=f: int8_matmul_xla(x, q, form=f))(x, q).astype(jnp.float32))
+           for f in ("auto", "int", "wide")}
+    other = "int" if want == "wide" else "wide"
+    assert np.array_equal(got["auto"], got[want]), (m, n, g, dt)
+    if g:
+        assert not np.array_equal(got["auto"], got[other]), (m, n, g, dt)
 
 
 def test_group_auto_form_by_width():
