@@ -181,7 +181,10 @@ def test_after_is_the_identity_even_for_nan_activations():
     w = jnp.arange(-8, 8, dtype=jnp.int8).reshape(4, 4)
     for first in (np.nan, -np.inf, np.inf, 0.0):
         x = jnp.full((2, 3), 1.0, bf16).at[0, 0].set(first)
-        np.testing.assert_array_equal(np.asarray(jax.jit(after)(x, w)), np.asarray(w))
+        got = jax.jit(after)(x, w)
+        assert got.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(after(jnp.zeros((0, 3), bf16), w)), np.asarray(w))  # no rows
 
 
 # ------------------------------------------------------------------------------------------------ decode attention

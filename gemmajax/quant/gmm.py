@@ -65,7 +65,13 @@ from gemmajax.quant.int4_matmul import (
     int4_matmul_ref,
     int4_matmul_xla,
 )
-from gemmajax.quant.int8_matmul import int8_matmul_ref, int8_matmul_xla, materialize, quantize_activations
+from gemmajax.quant.int8_matmul import (
+    WIDE_MIN_ROWS,
+    int8_matmul_ref,
+    int8_matmul_xla,
+    materialize,
+    quantize_activations,
+)
 from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu
 from gemmajax.quant.sharded import gmm_tp
 
@@ -472,8 +478,13 @@ def _expert(w: Weight, e: jax.Array) -> Weight:
 
 def _matmul_cpu(x: jax.Array, w: Weight) -> jax.Array:
     """The CPU's 2-D forms for one expert: x [C, K] @ w [N, K].T -> [C, N] in x.dtype."""
+    if isinstance(w, QuantArray) and w.kind == "int8":
+        # 2-63 rows keep the group loop: "wide" from 2 rows (int8_matmul.wide_pays) was measured for dense layers,
+        # not for one expert's item inside the expert loop
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        return int8_matmul_xla(x, w, form="int" if 1 < rows < WIDE_MIN_ROWS else "auto")
     if isinstance(w, QuantArray):
-        return (int8_matmul_xla if w.kind == "int8" else int4_matmul_xla)(x, w)
+        return int4_matmul_xla(x, w)
     return dense_matmul_cpu(x, w) if jnp.dtype(x.dtype).itemsize == 2 else dense_matmul(x, w)
 
 

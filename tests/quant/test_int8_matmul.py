@@ -236,8 +236,8 @@ def test_wide_form_with_groups_within_its_rounding(m, k, n):
     (16, 256, 128, jnp.float32, "int"), (64, 256, 0, jnp.float32, "int")])      # float32 x: never "wide"
 def test_auto_form_by_rows_size_and_dtype(m, n, g, dt, want):
     """w8a8 on several rows: auto gives exactly the bits of the form it should pick (int8_matmul.wide_pays; one row:
-    the next test). With groups the two forms round differently, so the comparison tells them apart; without, a
-    16-bit x gives the same bits either way (exact levels), and the choice is checked on wide_pays itself."""
+    the next test). With groups the two forms round differently, so the comparison tells them apart; without, both
+    give the same bits (exact levels and sums), and the program tells them apart."""
     from gemmajax.quant.int8_matmul import WIDE_MIN_ROWS, WIDE_SMALL_MAX_BYTES, wide_pays
     assert 2 * 256 * 640 <= WIDE_SMALL_MAX_BYTES < 2 * 8192 * 640 and WIDE_MIN_ROWS == 64  # the cases' premises
     if dt == jnp.bfloat16:
@@ -249,6 +249,9 @@ def test_auto_form_by_rows_size_and_dtype(m, n, g, dt, want):
     assert np.array_equal(got["auto"], got[want]), (m, n, g, dt)
     if g:
         assert not np.array_equal(got["auto"], got[other]), (m, n, g, dt)
+    # the bits cannot tell the forms apart without groups: the program can ("int" is an int8 x int8 -> int32 dot)
+    jaxpr = str(jax.make_jaxpr(lambda x, q: int8_matmul_xla(x, q))(x, q))
+    assert ("preferred_element_type=int32" in jaxpr) == (want == "int"), (m, n, g, dt)
 
 
 def test_group_auto_form_by_width():
