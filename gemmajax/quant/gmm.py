@@ -478,13 +478,13 @@ def _expert(w: Weight, e: jax.Array) -> Weight:
 
 def _matmul_cpu(x: jax.Array, w: Weight) -> jax.Array:
     """The CPU's 2-D forms for one expert: x [C, K] @ w [N, K].T -> [C, N] in x.dtype."""
-    if isinstance(w, QuantArray) and w.kind == "int8":
+    if isinstance(w, QuantArray):
+        if w.kind == "int4":
+            return int4_matmul_xla(x, w)
         # 2-63 rows keep the group loop: "wide" from 2 rows (int8_matmul.wide_pays) was measured for dense layers,
         # not for one expert's item inside the expert loop
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         return int8_matmul_xla(x, w, form="int" if 1 < rows < WIDE_MIN_ROWS else "auto")
-    if isinstance(w, QuantArray):
-        return int4_matmul_xla(x, w)
     return dense_matmul_cpu(x, w) if jnp.dtype(x.dtype).itemsize == 2 else dense_matmul(x, w)
 
 
