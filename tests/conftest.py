@@ -17,6 +17,18 @@ def gguf_file():
 
 
 @pytest.fixture(scope="session")
+def hf_270m_float32(gguf_file):
+    """transformers' own reading of the real GGUF, float32, eager attention (~45 s: it dequantizes every tensor in
+    Python): loaded once for the modules that compare against it (tests/model/test_gguf.py, test_real_gemma3.py)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d, name = os.path.split(gguf_file)
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
 def gemma4_tokenizer(gguf_file):
     """A Gemma 4 tokenizer: the real vocabulary of the GGUF with the special pieces renamed."""
     from gemmajax.tools.tokenizer import Tokenizer, gguf_to_gemma4_sp

@@ -33,10 +33,9 @@ def real_path():
 
 
 @pytest.fixture(scope="module")
-def hf_270m(real_path):
+def hf_270m(hf_270m_float32):
     """transformers' reading of the same file: (state dict as float32 numpy, config dict)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(real_path), gguf_file=os.path.basename(real_path), dtype=torch.float32)
+    model = hf_270m_float32
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return sd, model.config.to_dict()
 

