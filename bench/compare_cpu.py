@@ -404,6 +404,21 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None) -> list[
     return out
 
 
+def spread(seen: dict[str, list[dict]], args) -> list[str]:
+    """Each configuration's figures round by round (the table keeps the best of each): how far one process's speed
+    moves from the next on this machine, i.e. how close to 1 a verdict can be and still mean something."""
+    out = ["round by round (tok/s at 1 / at the most streams; the table keeps each figure's best):"]
+    s1, s16 = args.streams[0], args.streams[-1]
+    for cfg, rs in seen.items():
+        vals = [(r.get(f"tok_s_{s1}"), r.get(f"tok_s_{s16}")) for r in rs if "error" not in r]
+        if not vals:
+            continue
+        cells = ", ".join("/".join("-" if v is None else f"{v:.1f}" for v in pair) for pair in vals)
+        lo1, hi1 = min(v[0] or 0 for v in vals), max(v[0] or 0 for v in vals)
+        out.append(f"  {cfg}: {cells}" + (f" (1-stream spread {hi1 / lo1 - 1:.0%})" if lo1 else ""))
+    return out
+
+
 def cpu_busy_s() -> float:
     """CPU seconds every process of this machine has used since boot (busy time in /proc/stat, steal included)."""
     with open("/proc/stat") as fh:
@@ -467,10 +482,12 @@ def main() -> None:
         print("GEMM floor (XLA:CPU): " + json.dumps({m: [round(1e3 * t, 2) for t in v] for m, v in floor.items()}),
               flush=True)
     best: dict[str, dict] = {}
+    seen: dict[str, list[dict]] = {}  # every round's figures, for the spread printed after the table
     for rnd in range(args.rounds):  # configurations alternate, so a busy spell of the machine hits all of them
         for cfg in configs(args):
             r = spawn(cfg, args)
             r["round"] = rnd
+            seen.setdefault(cfg, []).append(r)
             brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
             print(json.dumps(brief), flush=True)
             old = best.get(cfg)
@@ -488,6 +505,8 @@ def main() -> None:
     quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign}
     results = list(best.values())
     text = report(results, bw, args, quiet, floor)
+    if args.rounds > 1:
+        text += "\n" + "\n".join(spread(seen, args))
     print("\n" + text)
     if args.json:
         with open(args.json, "w") as fh:
