@@ -404,6 +404,21 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None) -> list[
     return out
 
 
+def best_of_rounds(rounds: list[dict]) -> dict:
+    """One configuration's rounds -> its row of the table: a copy of the round with the most tok/s at 1 stream, with
+    each tok_s_* figure the largest and each ttft_s_* the smallest over the rounds that did not fail (every figure
+    its own best, whichever round made it); the last round's error when every round failed."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return dict(rounds[-1])
+    out = dict(max(ok, key=lambda r: r.get("tok_s_1") or 0))
+    for k in {k for r in ok for k in r if k.startswith(("tok_s_", "ttft_s_"))}:
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        if vals:
+            out[k] = max(vals) if k.startswith("tok_s_") else min(vals)
+    return out
+
+
 def spread(seen: dict[str, list[dict]], args) -> list[str]:
     """Each configuration's figures round by round (the table keeps the best of each): how far one process's speed
     moves from the next on this machine, i.e. how close to 1 a verdict can be and still mean something."""
@@ -415,7 +430,7 @@ def spread(seen: dict[str, list[dict]], args) -> list[str]:
             continue
         cells = ", ".join("/".join("-" if v is None else f"{v:.1f}" for v in pair) for pair in vals)
         lo1, hi1 = min(v[0] or 0 for v in vals), max(v[0] or 0 for v in vals)
-        out.append(f"  {cfg}: {cells}" + (f" (1-stream spread {hi1 / lo1 - 1:.0%})" if lo1 else ""))
+        out.append(f"  {cfg}: {cells}" + (f" ({s1}-stream spread {hi1 / lo1 - 1:.0%})" if lo1 else ""))
     return out
 
 
@@ -481,29 +496,19 @@ def main() -> None:
         floor = {int(m): tuple(v) for m, v in fl["xla"].items()}
         print("GEMM floor (XLA:CPU): " + json.dumps({m: [round(1e3 * t, 2) for t in v] for m, v in floor.items()}),
               flush=True)
-    best: dict[str, dict] = {}
-    seen: dict[str, list[dict]] = {}  # every round's figures, for the spread printed after the table
+    seen: dict[str, list[dict]] = {}  # every round's figures (copies): the table's best and the spread come from it
     for rnd in range(args.rounds):  # configurations alternate, so a busy spell of the machine hits all of them
         for cfg in configs(args):
             r = spawn(cfg, args)
             r["round"] = rnd
-            seen.setdefault(cfg, []).append(r)
+            seen.setdefault(cfg, []).append(dict(r))
             brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
             print(json.dumps(brief), flush=True)
-            old = best.get(cfg)
-            if old is None or "error" in old or ("error" not in r and r.get("tok_s_1", 0) > old.get("tok_s_1", 0)):
-                best[cfg] = r
-            if "error" not in r and "error" not in best[cfg]:  # the best of each figure over the rounds
-                for k, v in r.items():
-                    if k.startswith("tok_s_"):
-                        best[cfg][k] = max(best[cfg].get(k, 0), v)
-                    elif k.startswith("ttft_s_"):
-                        best[cfg][k] = min(best[cfg].get(k, float("inf")), v)
         bw1, bw = max(bw1, (b := measure_bandwidth())[0]), max(bw, b[1])
     wall = time.perf_counter() - t0
     foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
     quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign}
-    results = list(best.values())
+    results = [best_of_rounds(rs) for rs in seen.values()]
     text = report(results, bw, args, quiet, floor)
     if args.rounds > 1:
         text += "\n" + "\n".join(spread(seen, args))
