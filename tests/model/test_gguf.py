@@ -37,6 +37,8 @@ def hf_270m(hf_270m_float32):
     """transformers' reading of the same file: (state dict as float32 numpy, config dict)."""
     model = hf_270m_float32
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for a in sd.values():  # views of the session's shared model (test_real_gemma3 runs it): never written here
+        a.flags.writeable = False
     return sd, model.config.to_dict()
 
 
