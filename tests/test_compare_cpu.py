@@ -1,12 +1,15 @@
 """bench/compare_cpu.py's merge of rounds: the table's row is each figure's own best over the rounds, whichever
 round made it, and the rounds themselves stay as measured (the spread printed under the table reads them)."""
 import argparse
+import importlib.util
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-import compare_cpu
+# Loaded from its file, not by putting bench/ on sys.path: bench/kernels.py would then shadow the `kernels` package
+# that transformers imports, and every later test in the session that builds an HF model would fail (CI did).
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "compare_cpu.py")
+_spec = importlib.util.spec_from_file_location("bench_compare_cpu", _PATH)
+compare_cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_cpu)
 
 
 def test_each_figure_keeps_its_own_best_round():
@@ -33,3 +36,14 @@ def test_failed_rounds_are_left_out_and_an_all_failed_config_stays_an_error():
     assert compare_cpu.best_of_rounds([dict(bad), dict(bad)])["error"] == bad["error"]
     lines = compare_cpu.spread({"llama.cpp:t2": [bad, ok], "x:y": [bad]}, argparse.Namespace(streams=[1, 16]))
     assert lines[1:] == ["  llama.cpp:t2: 60.0/- (1-stream spread 0%)"]
+
+
+def test_loading_compare_cpu_leaves_bench_off_the_import_path():
+    # bench/kernels.py on sys.path shadows the `kernels` package transformers imports; collecting this file once put
+    # it there and broke every HF-building test after it in the session
+    import importlib.util
+    import sys
+    bench = os.path.dirname(_PATH)
+    assert all(os.path.abspath(p or os.curdir) != bench for p in sys.path)
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or not (spec.origin or "").startswith(bench + os.sep)
