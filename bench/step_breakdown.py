@@ -64,8 +64,9 @@ def child(mode: str, streams: int, variant: str) -> None:
     from gemmajax.engine import runner
     from gemmajax.model import gemma
     from gemmajax.model.gguf import default_model_path
-    if "no-head" in variant:
+    if "no-head" in variant:  # greedy steps of a plain table skip lm_head (runner.greedy_tokens): replace both
         gemma.lm_head = lambda w, cfg, h: h @ jnp.ones((h.shape[-1], 128), h.dtype)
+        runner.greedy_tokens = lambda w, cfg, h: jnp.argmax(gemma.lm_head(w, cfg, h), axis=-1).astype(jnp.int32)
     if "no-attention" in variant:
         runner.ragged_paged_attention = lambda q, k, v, pages, meta, **kw: (q, pages)
     path = default_model_path()
