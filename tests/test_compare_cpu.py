@@ -3,13 +3,11 @@ round made it, and the rounds themselves stay as measured (the spread printed un
 import argparse
 import importlib.util
 import os
+import sys
 
-# Loaded from its file, not by putting bench/ on sys.path: bench/kernels.py would then shadow the `kernels` package
-# that transformers imports, and every later test in the session that builds an HF model would fail (CI did).
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "compare_cpu.py")
-_spec = importlib.util.spec_from_file_location("bench_compare_cpu", _PATH)
-compare_cpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_cpu)
+from tests.bench_scripts import BENCH, load_bench
+
+compare_cpu = load_bench("compare_cpu")
 
 
 def test_each_figure_keeps_its_own_best_round():
@@ -41,9 +39,7 @@ def test_failed_rounds_are_left_out_and_an_all_failed_config_stays_an_error():
 def test_loading_compare_cpu_leaves_bench_off_the_import_path():
     # bench/kernels.py on sys.path shadows the `kernels` package transformers imports; collecting this file once put
     # it there and broke every HF-building test after it in the session
-    import importlib.util
-    import sys
-    bench = os.path.realpath(os.path.dirname(_PATH))
+    bench = os.path.realpath(BENCH)
     assert all(os.path.realpath(p or os.curdir) != bench for p in sys.path)  # realpath: a symlink to bench/ too
     spec = importlib.util.find_spec("kernels")
     assert spec is None or not os.path.realpath(spec.origin or "").startswith(bench + os.sep)

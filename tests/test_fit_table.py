@@ -1,21 +1,16 @@
 """bench/fit_table.py's partial regeneration: rows a run does not compile keep their lines from the file it replaces."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "fit_table.py")
+from tests.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def ft():
-    spec = importlib.util.spec_from_file_location("fit_table_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("fit_table")
 
 
 def _row(model: str, quant: str, chip: str, *, fits: bool, kv: int, reason: str) -> dict:
