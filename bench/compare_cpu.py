@@ -404,14 +404,15 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None) -> list[
     return out
 
 
-def best_of_rounds(rounds: list[dict]) -> dict:
-    """One configuration's rounds -> its row of the table: a copy of the round with the most tok/s at 1 stream, with
-    each tok_s_* figure the largest and each ttft_s_* the smallest over the rounds that did not fail (every figure
-    its own best, whichever round made it); the last round's error when every round failed."""
+def best_of_rounds(rounds: list[dict], by: str = "tok_s_1") -> dict:
+    """One configuration's rounds -> its row of the table: a copy of the round with the largest `by` (tok/s at the
+    first stream count, the one spread() reports), with each tok_s_* figure the largest and each ttft_s_* the
+    smallest over the rounds that did not fail (every figure its own best, whichever round made it); the last
+    round's error when every round failed."""
     ok = [r for r in rounds if "error" not in r]
     if not ok:
         return dict(rounds[-1])
-    out = dict(max(ok, key=lambda r: r.get("tok_s_1") or 0))
+    out = dict(max(ok, key=lambda r: r.get(by) or 0))
     for k in {k for r in ok for k in r if k.startswith(("tok_s_", "ttft_s_"))}:
         vals = [r[k] for r in ok if r.get(k) is not None]
         if vals:
@@ -508,7 +509,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
     quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign}
-    results = [best_of_rounds(rs) for rs in seen.values()]
+    results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
     text = report(results, bw, args, quiet, floor)
     if args.rounds > 1:
         text += "\n" + "\n".join(spread(seen, args))

@@ -20,6 +20,7 @@ def test_each_figure_keeps_its_own_best_round():
     # round 1 has the better 1-stream figure, round 0 the better 16-stream and TTFT figures: each keeps its own
     assert (got["tok_s_1"], got["tok_s_16"], got["ttft_s_1"], got["ttft_s_16"]) == (50.2, 271.7, 0.05, 0.309)
     assert got["round"] == 1  # the other fields come from the round with the most tok/s at 1 stream
+    assert compare_cpu.best_of_rounds(rounds, "tok_s_16")["round"] == 0  # or at the stream count the run starts with
     assert rounds == [r0, r1]  # the rounds are not written into (the spread prints them as measured)
     args = argparse.Namespace(streams=[1, 16])
     lines = compare_cpu.spread({"gemmajax:w4a16": rounds}, args)
