@@ -95,6 +95,7 @@ class LLM:
             speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets,
             parallel=self.plan),
             multimodal=None if self.mm_config is None else (self.mm_config, mm_weights))
+        self.model.weights = self.engine.runner.weights   # the engine's form (runner.stack_layers): one copy held
         self._ids = itertools.count()
         self._template = None
 

@@ -20,7 +20,7 @@ from gemmajax.config import ModelConfig
 from gemmajax.engine import media_inputs
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
-    pow2_buckets, step_shapes, token_buckets
+    pow2_buckets, stack_layers, step_shapes, token_buckets
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step
 from gemmajax.engine.sampler import fold_keys, request_key_data, sample, sampling_arrays
 from gemmajax.engine.sampling_params import SamplingParams
@@ -70,6 +70,9 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None     # step sequence counts compiled for (default: powers of 2)
     speculative: SpecConfig | None = None          # speculative decoding (engine/spec_decode.py)
     parallel: Any = None                           # gemmajax.parallel.ShardPlan: caches split on its mesh (LLM)
+    # Quantized projections and norms stacked over the layers (runner.stack_layers: fewer jit arguments a step);
+    # None = on XLA:CPU without a parallel plan
+    stack_layers: bool | None = None
 
 
 @dataclass
@@ -165,7 +168,10 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_len, eos_token_ids=self.eos_token_ids), self.block_manager)
-        self.runner = ModelRunner(weights, self.spec)
+        stack = config.stack_layers
+        if stack is None:
+            stack = jax.default_backend() == "cpu" and config.parallel is None
+        self.runner = ModelRunner(stack_layers(weights) if stack else weights, self.spec)
         logger.info(self.kv_summary())
         self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens,
                                                                 dense=jax.default_backend() == "cpu")

@@ -1,0 +1,131 @@
+"""runner.stack_layers: the engine's CPU form of the weights (quantized projections and norms stacked over the
+layers, so a step takes ~20 weight arguments instead of hundreds) must hold the same numbers and give the same
+outputs. Cases are drawn at random (seeded) from every model variant x quantization x dtype; each is held to the
+same engine with the layers left apart: every layer's leaves bit for bit, and the same greedy tokens, sampled tokens
+and logprobs (the full logits' log-softmax) from a batch that mixes prefill chunks and decodes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemmajax
+from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+from gemmajax.engine.runner import LayerStack, stack_layers
+from gemmajax.engine.sampling_params import SamplingParams
+from gemmajax.quant.array import QuantArray
+from tests.golden.hf_models import GEMMA3, VARIANTS, build_hf_config, save_text_checkpoint
+
+QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
+SPACE = [(v, q, d) for v in (*sorted(VARIANTS), "gemma3") for q in QUANTS for d in ("float32", "bfloat16")]
+CASES = [SPACE[i] for i in np.random.default_rng(20261205).choice(len(SPACE), size=4, replace=False)]
+
+
+def _model(tmp_path_factory, variant, quant, dtype):
+    text = dict(GEMMA3, family="gemma3") if variant == "gemma3" else dict(VARIANTS[variant], family="gemma4")
+    m, cfg = build_hf_config(text, seed=5)
+    path = save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp(variant)))
+    return gemmajax.load_model(path, dtype=dtype, quant=quant)
+
+
+def _layer_leaves(lw):
+    """(static description, arrays) of every leaf of one LayerWeights, QuantArrays with their metadata."""
+    out = []
+    for x in jax.tree.leaves(lw, is_leaf=lambda a: isinstance(a, QuantArray)):
+        if isinstance(x, QuantArray):
+            out.append((("q", x.kind, x.shape, x.group, x.dtype, x.act_group), (x.values, x.scale)))
+        else:
+            out.append(((tuple(x.shape), x.dtype), (x,)))
+    return out
+
+
+def _same_layers(a, b):
+    assert len(a) == len(b)
+    for i, (la, lb) in enumerate(zip(a, b)):
+        assert jax.tree.structure(la, is_leaf=lambda x: isinstance(x, QuantArray)) == \
+            jax.tree.structure(lb, is_leaf=lambda x: isinstance(x, QuantArray)), i
+        for (ma, xa), (mb, xb) in zip(_layer_leaves(la), _layer_leaves(lb)):
+            assert ma == mb, (i, ma, mb)
+            for u, v in zip(xa, xb):
+                assert u.dtype == v.dtype and np.array_equal(np.asarray(u), np.asarray(v)), (i, ma)
+
+
+@pytest.mark.parametrize("variant,quant,dtype", CASES)
+def test_stacked_layers_hold_the_same_weights(tmp_path_factory, variant, quant, dtype):
+    model = _model(tmp_path_factory, variant, quant, dtype)
+    w = model.weights
+    for kinds in (("int8",), ("int8", "int4")):
+        s = stack_layers(w, kinds)
+        assert isinstance(s.layers, LayerStack) and len(s.layers) == len(w.layers)
+        _same_layers(s.layers.layers(), w.layers)
+        assert s.embed is w.embed and s.final_norm is w.final_norm
+        # fewer leaves: every group of two or more alike layers keeps one copy of each norm vector
+        assert len(jax.tree.leaves(s)) < len(jax.tree.leaves(w))
+        # a stacked tree goes through jit as a pytree (flatten / unflatten keep the layers)
+        back = jax.jit(lambda t: t)(s)
+        _same_layers(back.layers.layers(), w.layers)
+    assert stack_layers(s) is s
+
+
+def test_uniform_model_stacks_every_int8_leaf(tmp_path_factory):
+    """Gemma 3's layers are all alike: in w8a8 every layer leaf is stacked (one group, nothing left per layer),
+    so the tree has the top-level leaves plus one layer's worth; int4 projections stay one leaf per layer."""
+    model = _model(tmp_path_factory, "gemma3", "w8a8", "float32")
+    w, n = model.weights, len(model.weights.layers)
+    per_layer = len(jax.tree.leaves(w.layers[0]))
+    top = len(jax.tree.leaves(w)) - n * per_layer
+    s = stack_layers(w)
+    assert s.layers.loose == ((),) * n and len(s.layers.stacked) == 1
+    assert len(jax.tree.leaves(s)) == top + per_layer
+    q4 = _model(tmp_path_factory, "gemma3", "w4a16", "float32").weights
+    s4 = stack_layers(q4)          # int8 only by default: the 7 int4 projections stay apart
+    assert all(len(loose) == 7 and all(isinstance(x, QuantArray) and x.kind == "int4" for x in loose)
+               for loose in s4.layers.loose)
+    per_layer4 = len(jax.tree.leaves(q4.layers[0]))
+    assert len(jax.tree.leaves(stack_layers(q4, ("int8", "int4")))) == len(jax.tree.leaves(q4)) - (n - 1) * per_layer4
+
+
+def _run(model, tok, stack: bool):
+    eng = LLMEngine(model.config, model.weights, tok, EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
+        token_buckets=(16,), seq_buckets=(4,), stack_layers=stack))
+    assert isinstance(eng.runner.weights.layers, LayerStack) == stack
+    rng = np.random.default_rng(7)
+    prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (5, 19, 11)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("variant,quant,dtype", CASES[:1])
+def test_engine_outputs_equal_with_layers_apart(tmp_path_factory, gemma4_tokenizer, variant, quant, dtype):
+    model = _model(tmp_path_factory, variant, quant, dtype)
+    apart = _run(model, gemma4_tokenizer, False)
+    stacked = _run(model, gemma4_tokenizer, True)
+    for a, b in zip(apart, stacked):
+        assert a.token_ids == b.token_ids
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs is not None:
+            for la, lb in zip(a.logprobs, b.logprobs):
+                assert la["token_id"] == lb["token_id"]
+                np.testing.assert_allclose(la["logprob"], lb["logprob"], rtol=0, atol=1e-6)
+                assert [t for t, _ in la["top"]] == [t for t, _ in lb["top"]]
+
+
+def test_engine_stacks_by_default_on_cpu(tmp_path_factory, gemma4_tokenizer):
+    assert jax.default_backend() == "cpu"
+    model = _model(tmp_path_factory, "gemma3", "w8a8", "bfloat16")
+    eng = LLMEngine(model.config, model.weights, gemma4_tokenizer, EngineConfig(
+        max_model_len=64, max_num_seqs=2, kv_cache_memory=1 << 22))
+    layers = eng.runner.weights.layers
+    assert isinstance(layers, LayerStack)
+    n = len(model.weights.layers)
+    int8 = [x for x in layers.stacked[0] if isinstance(x, QuantArray)]
+    assert len(int8) == 7 and all(x.kind == "int8" and x.shape[0] == n and x.values.dtype == jnp.int8 for x in int8)
