@@ -162,7 +162,7 @@ def child_gemmajax(mode: str, prompts, args) -> dict:
         assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
 
     res = decode_figures(run, prompts, tuple(args.streams), args.new_tokens, args.reps)
-    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(llm.model.weights))
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(llm.engine.runner.weights))  # the engine's copy
     cfg = llm.config
     return {"engine": "gemmajax", "mode": "bf16" if mode == "none" else mode, "load_s": load,
             "weight_bytes": weights, "kv_token_bytes": kv_bytes_per_token(cfg, 2), **res}

@@ -73,7 +73,7 @@ def child(mode: str, streams: int, variant: str) -> None:
     llm = gemmajax.LLM(path, quant=mode, dtype="bfloat16", kv_dtype="bf16", max_model_len=512,
                        max_num_seqs=16, kv_cache_memory=256 << 20, enable_prefix_caching=False)
     if variant == "constants":
-        close_over_weights(llm.model.weights)
+        close_over_weights(llm.engine.runner.weights)   # the tree the steps take (runner.stack_layers)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     tok = gemmajax.load_tokenizer(path)
     prompts = [tok.encode(f"Once upon a time number {i} there was") for i in range(streams)]

@@ -11,8 +11,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from gemmajax.engine.runner import LayerStack, unstack_layers
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.spec_decode import SpecConfig
+from gemmajax.model.loader import Model
+
+
+class _ServedModel(Model):
+    """`LLM.model` once its engine holds the weights in its own form (runner.stack_layers, on XLA:CPU), so that the
+    process keeps one copy of them. `.weights` is the standard tree, rebuilt from the engine's at each access (the
+    stacked leaves copied out per layer: read it once and keep it); `.engine_weights` is the engine's form."""
+
+    def __init__(self, model: Model, engine: LLMEngine):   # not Model.__init__: it assigns .weights
+        self.config, self.dtype, self.path, self.quant = model.config, model.dtype, model.path, model.quant
+        self._engine = engine
+
+    @property
+    def engine_weights(self):
+        return self._engine.runner.weights
+
+    @property
+    def weights(self):
+        return unstack_layers(self._engine.runner.weights)
 
 
 @dataclass
@@ -95,7 +115,8 @@ class LLM:
             speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets,
             parallel=self.plan),
             multimodal=None if self.mm_config is None else (self.mm_config, mm_weights))
-        self.model.weights = self.engine.runner.weights   # the engine's form (runner.stack_layers): one copy held
+        if isinstance(self.engine.runner.weights.layers, LayerStack):   # one copy held: the engine's
+            self.model = _ServedModel(self.model, self.engine)
         self._ids = itertools.count()
         self._template = None
 

@@ -305,6 +305,14 @@ def stack_layers(weights: gemma.Weights, kinds: tuple[str, ...] = ("int8",)) -> 
     return dataclasses.replace(weights, layers=LayerStack(tuple(stacked), tuple(loose), tuple(groups)))
 
 
+def unstack_layers(weights: gemma.Weights) -> gemma.Weights:
+    """The standard tree (`layers` a tuple of LayerWeights) of weights that `stack_layers` stacked: the stacked
+    leaves are copied out per layer. Other weights are returned as they are."""
+    if not isinstance(weights.layers, LayerStack):
+        return weights
+    return dataclasses.replace(weights, layers=weights.layers.layers())
+
+
 def model_step(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs, *, greedy: bool = False,
                hidden: bool = False) -> tuple[Any, tuple]:
     """Run the scheduled tokens through the model. Returns (logits [R, V] float32 of the logits rows: each

@@ -91,9 +91,9 @@ def _run(model, tok, stack: bool):
     assert isinstance(eng.runner.weights.layers, LayerStack) == stack
     rng = np.random.default_rng(7)
     prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (5, 19, 11)]
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
     done = {}
@@ -119,13 +119,23 @@ def test_engine_outputs_equal_with_layers_apart(tmp_path_factory, gemma4_tokeniz
                 assert [t for t, _ in la["top"]] == [t for t, _ in lb["top"]]
 
 
-def test_engine_stacks_by_default_on_cpu(tmp_path_factory, gemma4_tokenizer):
+def test_llm_stacks_by_default_on_cpu_and_shows_the_standard_tree(tmp_path_factory, gemma4_tokenizer):
+    """On XLA:CPU `LLM` stacks by default and keeps one copy: the engine's. `llm.model.weights` is still the
+    standard tree, every leaf equal to a fresh load's, and `llm.model.logits` equals the fresh model's."""
     assert jax.default_backend() == "cpu"
-    model = _model(tmp_path_factory, "gemma3", "w8a8", "bfloat16")
-    eng = LLMEngine(model.config, model.weights, gemma4_tokenizer, EngineConfig(
-        max_model_len=64, max_num_seqs=2, kv_cache_memory=1 << 22))
-    layers = eng.runner.weights.layers
+    text = dict(GEMMA3, family="gemma3")
+    m, cfg = build_hf_config(text, seed=5)
+    path = save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("llm")))
+    llm = gemmajax.LLM(path, quant="w8a8", dtype="bfloat16", tokenizer=gemma4_tokenizer, max_model_len=64,
+                       max_num_seqs=2, kv_cache_memory=1 << 22)
+    fresh = gemmajax.load_model(path, dtype="bfloat16", quant="w8a8")
+    layers = llm.model.engine_weights.layers
     assert isinstance(layers, LayerStack)
-    n = len(model.weights.layers)
+    n = len(fresh.weights.layers)
     int8 = [x for x in layers.stacked[0] if isinstance(x, QuantArray)]
     assert len(int8) == 7 and all(x.kind == "int8" and x.shape[0] == n and x.values.dtype == jnp.int8 for x in int8)
+    w = llm.model.weights
+    assert isinstance(w.layers, tuple)
+    _same_layers(w.layers, fresh.weights.layers)
+    ids = np.arange(3, 15)[None]
+    np.testing.assert_array_equal(llm.model.logits(ids), fresh.logits(ids))
