@@ -135,6 +135,10 @@ class LLMEngine:
     def __init__(self, cfg: ModelConfig, weights: gemma.Weights, tokenizer, config: EngineConfig = EngineConfig(),
                  multimodal: tuple | None = None):
         """multimodal: (MultimodalConfig, MultimodalWeights) of the checkpoint's vision / audio towers, or None."""
+        if config.stack_layers and config.parallel is not None:
+            raise ValueError("EngineConfig.stack_layers=True with a parallel plan: the plan shards the weights by "
+                             "their per-layer names, which a stacked tree does not have; leave stack_layers None "
+                             "(off with a plan) or set it False")
         self.model_config = cfg
         self.mm_config, self.mm_weights = multimodal if multimodal is not None else (None, None)
         config = dataclasses.replace(config, kv_dtype=resolve_auto(config.kv_dtype, gemma.compute_dtype(weights)))

@@ -221,8 +221,8 @@ class LayerStack:
     what `Weights.layers` holds after `stack_layers`. Iterating (inside the traced step) gives each layer's
     `LayerWeights`, its stacked leaves indexed at the layer (a slice XLA fuses into the matmul reading it).
 
-    Why: a jitted call's dispatch costs per argument. Gemma 3 270M in w8a8 has 363 weight leaves; its 1-stream step
-    spent 1.0-1.5 ms of host time in each call (2-core AMD EPYC, 2026-12-04), on a machine whose two cores also run
+    Why: a jitted call's dispatch costs per argument. Gemma 3 270M in w8a8+emb8 has 363 weight leaves; its 1-stream step
+    spent 1.04-1.18 ms (min; median 1.23-1.90) in each call (2-core AMD EPYC, 2026-12-04), on a machine whose cores run
     the step. An 18-layer w8a8 stack called with its 252 int8 leaves apart or as 14 stacked ones: dispatch 0.68 ->
     0.25 ms, one row 4.75 -> 4.27 ms synced and 4.06 -> 3.82 ms pipelined (docs/cpu_notes_2026-12-04_late.md).
 

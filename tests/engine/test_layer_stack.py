@@ -18,6 +18,9 @@ from tests.golden.hf_models import GEMMA3, VARIANTS, build_hf_config, save_text_
 QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
 SPACE = [(v, q, d) for v in (*sorted(VARIANTS), "gemma3") for q in QUANTS for d in ("float32", "bfloat16")]
 CASES = [SPACE[i] for i in np.random.default_rng(20261205).choice(len(SPACE), size=4, replace=False)]
+# the engine comparison draws from the cases whose layers have int8 projections (the ones stacked): w8a8*
+INT8_SPACE = [c for c in SPACE if c[1].startswith("w8a8")]
+ENGINE_CASE = INT8_SPACE[np.random.default_rng(20261206).integers(len(INT8_SPACE))]
 
 
 def _model(tmp_path_factory, variant, quant, dtype):
@@ -66,6 +69,13 @@ def test_stacked_layers_hold_the_same_weights(tmp_path_factory, variant, quant, 
     assert stack_layers(s) is s
 
 
+def test_stacking_with_a_parallel_plan_is_refused(tmp_path_factory, gemma4_tokenizer):
+    model = _model(tmp_path_factory, "gemma3", "w8a8", "float32")
+    with pytest.raises(ValueError, match="stack_layers=True with a parallel plan"):
+        LLMEngine(model.config, model.weights, gemma4_tokenizer, EngineConfig(
+            max_model_len=64, max_num_seqs=2, kv_cache_memory=1 << 22, stack_layers=True, parallel=object()))
+
+
 def test_uniform_model_stacks_every_int8_leaf(tmp_path_factory):
     """Gemma 3's layers are all alike: in w8a8 every layer leaf is stacked (one group, nothing left per layer),
     so the tree has the top-level leaves plus one layer's worth; int4 projections stay one leaf per layer."""
@@ -96,32 +106,36 @@ def _run(model, tok, stack: bool):
               SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
-    done = {}
+    done, lps = {}, {f"r{i}": [] for i in range(len(prompts))}
     while eng.has_unfinished():
         for o in eng.step():
+            lps[o.request_id] += o.logprobs or []      # RequestOutput.logprobs: the new tokens' only
             if o.finished:
                 done[o.request_id] = o
-    return [done[f"r{i}"] for i in range(len(prompts))]
+    return [(done[f"r{i}"].token_ids, lps[f"r{i}"]) for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("variant,quant,dtype", CASES[:1])
+@pytest.mark.parametrize("variant,quant,dtype", [ENGINE_CASE])
 def test_engine_outputs_equal_with_layers_apart(tmp_path_factory, gemma4_tokenizer, variant, quant, dtype):
     model = _model(tmp_path_factory, variant, quant, dtype)
+    stacked_leaves = [x for group in stack_layers(model.weights).layers.stacked for x in group]
+    assert any(isinstance(x, QuantArray) and x.kind == "int8" for x in stacked_leaves)   # int8 projections stacked
     apart = _run(model, gemma4_tokenizer, False)
     stacked = _run(model, gemma4_tokenizer, True)
-    for a, b in zip(apart, stacked):
-        assert a.token_ids == b.token_ids
-        assert (a.logprobs is None) == (b.logprobs is None)
-        if a.logprobs is not None:
-            for la, lb in zip(a.logprobs, b.logprobs):
-                assert la["token_id"] == lb["token_id"]
-                np.testing.assert_allclose(la["logprob"], lb["logprob"], rtol=0, atol=1e-6)
-                assert [t for t, _ in la["top"]] == [t for t, _ in lb["top"]]
+    for (ta, la), (tb, lb), sp in zip(apart, stacked, (None, 4, 2)):
+        assert ta == tb and len(ta) == 8
+        assert len(la) == len(lb) == (0 if sp is None else 8)
+        for a, b in zip(la, lb):
+            assert a["token_id"] == b["token_id"] and len(a["top"]) == len(b["top"]) == sp
+            np.testing.assert_allclose(a["logprob"], b["logprob"], rtol=0, atol=1e-6)
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+            np.testing.assert_allclose([v for _, v in a["top"]], [v for _, v in b["top"]], rtol=0, atol=1e-6)
 
 
 def test_llm_stacks_by_default_on_cpu_and_shows_the_standard_tree(tmp_path_factory, gemma4_tokenizer):
-    """On XLA:CPU `LLM` stacks by default and keeps one copy: the engine's. `llm.model.weights` is still the
-    standard tree, every leaf equal to a fresh load's, and `llm.model.logits` equals the fresh model's."""
+    """On XLA:CPU `LLM` stacks by default (its engine holds the stacked tree) and `llm.model.weights` is still the
+    standard tree: every leaf equal to a fresh load's, and `llm.model.logits` (which runs on that tree) equal to the
+    fresh model's. (The stacked step's outputs are held to the unstacked engine's above.)"""
     assert jax.default_backend() == "cpu"
     text = dict(GEMMA3, family="gemma3")
     m, cfg = build_hf_config(text, seed=5)
