@@ -270,7 +270,7 @@ def stack_layers(weights: gemma.Weights, kinds: tuple[str, ...] = ("int8",)) -> 
 
     def stackable(x) -> bool:
         if isinstance(x, QuantArray):
-            return x.kind in kinds and x.ndim == 2 and x.tp is None
+            return x.kind in kinds and x.ndim == 2
         return x.ndim <= 1
 
     def signature(x):
