@@ -231,8 +231,9 @@ AttendFn = Callable[[LayerSpec, Array, "Array | None", "Array | None", Any], tup
 
 
 def attention_block(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, h: Array, cos: Array, sin: Array,
-                    attend: AttendFn, kv: Any) -> tuple[Array, Any]:
-    """h: [B, T, D] (input-normed). Returns (o_proj output [B, T, D], updated kv slot)."""
+                    attend: AttendFn, kv: Any, rows: Array | None = None) -> tuple[Array, Any]:
+    """h: [B, T, D] (input-normed). Returns (o_proj output [B, T, D], updated kv slot); with `rows` (int [R]) the
+    o_proj output of those tokens only, [B, R, D] (every token's K/V is still written and attended)."""
     B, T, _ = h.shape
     N, K, H = cfg.num_heads, spec.num_kv_heads, spec.head_dim
     a = lw.attn
@@ -245,7 +246,9 @@ def attention_block(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, h: Arra
         k = apply_rope(rms_norm(k_raw, a.k_norm, cfg.rms_norm_eps), cos, sin)
         v = rms_norm(v_raw, None, cfg.rms_norm_eps) if cfg.use_v_norm else v_raw
     o, kv = attend(spec, q, k, v, kv)                        # [B, T, N, H]
-    return linear(o.reshape(B, T, N * H), a.o_proj), kv
+    if rows is not None:
+        o = o[:, rows]
+    return linear(o.reshape(B, o.shape[1], N * H), a.o_proj), kv
 
 
 def mlp_block(mw: MLPWeights, h: Array) -> Array:
@@ -285,9 +288,14 @@ def moe_block(cfg: ModelConfig, mw: MoEWeights, res: Array) -> Array:
 
 
 def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, x: Array, cos: Array, sin: Array,
-                  ple: Array | None, attend: AttendFn, kv: Any) -> tuple[Array, Any]:
+                  ple: Array | None, attend: AttendFn, kv: Any, rows: Array | None = None) -> tuple[Array, Any]:
+    """x: [B, T, D] -> ([B, T, D], kv); with `rows` (int [R]) every token's K/V is written and attended, and only
+    those tokens go on after attention: [B, R, D] (the rest of the layer is per token)."""
     eps = cfg.rms_norm_eps
-    h, kv = attention_block(cfg, spec, lw, rms_norm(x, lw.input_norm, eps), cos, sin, attend, kv)
+    h, kv = attention_block(cfg, spec, lw, rms_norm(x, lw.input_norm, eps), cos, sin, attend, kv, rows)
+    if rows is not None:
+        x = x[:, rows]
+        ple = None if ple is None else ple[:, rows]
     x = x + rms_norm(h, lw.post_attn_norm, eps)
 
     res = x
@@ -307,15 +315,18 @@ def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, x: Array,
 
 
 def decoder(w: Weights, cfg: ModelConfig, ids: Array, positions: Array, attend: AttendFn, kv: tuple,
-            shared_band: Callable | None = None, soft_tokens: tuple[Array, Array] | None = None
-            ) -> tuple[Array, tuple]:
+            shared_band: Callable | None = None, soft_tokens: tuple[Array, Array] | None = None,
+            last_rows: Array | None = None) -> tuple[Array, tuple]:
     """Run all layers. ids, positions: [B, T]; kv: one cache slot per KV-owning layer (cfg.kv_layers).
 
     `shared_band(x, positions, ple) -> (x, positions, ple, attend)` may shrink the token set before the first
     KV-shared layer (they write no cache, so only positions whose logits are needed must go on) and give the
     attention function those layers use. `soft_tokens` = (mask bool [B, T], rows [B, T, D]): image / audio soft
     tokens replace the embedding where mask is set (HF: ids there are the pad id, the rows are not scaled, and
-    PLE projects the merged rows; model/multimodal.py). Returns (final-normed hidden [B, T', D], updated kv)."""
+    PLE projects the merged rows; model/multimodal.py). `last_rows` (int [R]): the last layer writes and attends
+    every token's K/V, then carries only these tokens through its o_proj and MLP (the only ones whose hidden state
+    is used: a prompt's last token, say), so its output is [B, R, D]. Returns (final-normed hidden [B, T', D],
+    updated kv)."""
     x = embed(w, cfg, ids)
     if soft_tokens is not None:
         mask, rows = soft_tokens
@@ -333,8 +344,9 @@ def decoder(w: Weights, cfg: ModelConfig, ids: Array, positions: Array, attend: 
             tables[key] = rope_tables(spec, positions, x.dtype)
         cos, sin = tables[key]
         s = slot[spec.index]
+        rows = last_rows if spec.index == cfg.num_layers - 1 else None
         x, kv[s] = decoder_layer(cfg, spec, lw, x, cos, sin,
-                                 None if ple is None else ple[:, :, spec.index, :], attend, kv[s])
+                                 None if ple is None else ple[:, :, spec.index, :], attend, kv[s], rows)
     return rms_norm(x, w.final_norm, cfg.rms_norm_eps), tuple(kv)
 
 

@@ -538,3 +538,30 @@ def test_ref_prefill_items_batching(items):
     t = _real_rows(case)
     np.testing.assert_allclose(np.asarray(out)[:t], want, rtol=2e-4, atol=2e-4)
     np.testing.assert_array_equal(np.asarray(out)[t:], 0.0)
+
+
+@pytest.mark.parametrize("seqs, want_bkv", [
+    ([(0, 7), (0, 24), (3, 5), (0, 1), (40, 18)], 32),    # 55 tokens (58 padded) over 7 sequence slots
+    ([(0, 100), (10, 80), (0, 1)], 64),                  # 181 tokens (184 padded) over 5 slots
+])
+def test_ref_default_prefill_block_follows_tokens_per_sequence(monkeypatch, seqs, want_bkv):
+    """With no block_kv given, prefill chunks take 32-token KV blocks when the step averages at most 32 tokens a
+    sequence slot and 64 otherwise (`_prefill_block_kv`), and either gives the naive attention (windowed, a cached
+    prefix, a decode row beside the chunks)."""
+    import gemmajax.kv.attention as attn
+    assert [attn._prefill_block_kv(t, s) for t, s in ((512, 16), (513, 16), (32, 1), (33, 1))] == [32, 64, 32, 64]
+    seen = []
+    chunks = attn._ref_prefill_chunks
+
+    def spy(*a, block_kv, **kw):
+        seen.append(block_kv)
+        return chunks(*a, block_kv=block_kv, **kw)
+    monkeypatch.setattr(attn, "_ref_prefill_chunks", spy)
+    case = make_case(seqs, n=4, nk=2, h=64, ps=16, dtype=jnp.float32, window=40, seed=len(seqs))
+    fn = jax.jit(functools.partial(ragged_paged_attention_ref, sm_scale=0.125, sliding_window=40))
+    out, _ = fn(case.q, case.k_new, case.v_new, case.kv_pages, case.meta)
+    assert seen == [want_bkv]
+    want = naive_attention(case, sm_scale=0.125, window=40)
+    t = _real_rows(case)
+    np.testing.assert_allclose(np.asarray(out)[:t], want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(out)[t:], 0.0)
