@@ -221,7 +221,8 @@ def _decode_block_kv(rows: int, pages_shape: tuple[int, ...], budget: int = 512 
 
 def _prefill_block_kv(t_pad: int, s_max: int) -> int:
     """KV tokens per block of `_ref_prefill_chunks` for a step of t_pad tokens and s_max sequences (static shapes):
-    32 when the step averages at most 32 tokens a sequence, else 64.
+    32 when the step averages at most 32 tokens a sequence slot (decode slots included: a mixed step of many decodes
+    and one long prompt also gets 32, slower for that prompt by the figures below), else 64.
 
     A chunk computes its whole tile, so short prompts waste most of a large one, and long ones pay a loop iteration
     per block. Measured on Gemma 3 270M w8a8+emb8 (2 cores; the prefill step alone, engines of each setting

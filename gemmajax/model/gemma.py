@@ -327,6 +327,9 @@ def decoder(w: Weights, cfg: ModelConfig, ids: Array, positions: Array, attend: 
     every token's K/V, then carries only these tokens through its o_proj and MLP (the only ones whose hidden state
     is used: a prompt's last token, say), so its output is [B, R, D]. Returns (final-normed hidden [B, T', D],
     updated kv)."""
+    if last_rows is not None and shared_band is not None:
+        raise ValueError("decoder: last_rows and shared_band cannot both be given (last_rows index all T tokens, "
+                         "and a shared band has already narrowed them to its own rows)")
     x = embed(w, cfg, ids)
     if soft_tokens is not None:
         mask, rows = soft_tokens

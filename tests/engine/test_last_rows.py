@@ -18,8 +18,12 @@ from tests.golden.hf_models import build_hf_config, random_text_config, save_tex
 QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
 _rng = np.random.default_rng(20261205)
 # no KV-shared layers: a model with them already narrows to the logits rows at its first shared layer
-CASES = [(int(_rng.integers(1 << 30)), str(_rng.choice(QUANTS)), str(_rng.choice(["float32", "bfloat16"])))
+CASES = [(int(_rng.integers(1 << 30)), str(_rng.choice(QUANTS)), str(_rng.choice(["float32", "bfloat16"])), {})
          for _ in range(3)]
+# and one pinned Gemma 4 case with per-layer inputs and experts (the rows' PLE slice and the MoE branch)
+CASES.append((int(_rng.integers(1 << 30)), str(_rng.choice(QUANTS)), "float32",
+              {"family": "gemma4", "hidden_size_per_layer_input": 8, "enable_moe_block": True, "num_experts": 4,
+               "top_k_experts": 2, "moe_intermediate_size": 16}))
 
 
 def _untrimmed(decoder):
@@ -29,7 +33,7 @@ def _untrimmed(decoder):
     return run
 
 
-def _run(model, tok, mlp_rows: list):
+def _run(model, tok):
     eng = LLMEngine(model.config, model.weights, tok, EngineConfig(
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
         token_buckets=(16,), seq_buckets=(4,)))
@@ -50,10 +54,10 @@ def _run(model, tok, mlp_rows: list):
     return [(done[f"r{i}"].token_ids, lps[f"r{i}"]) for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("seed,quant,dtype", CASES)
+@pytest.mark.parametrize("seed,quant,dtype,pin", CASES)
 def test_engine_with_last_layer_trim_equals_without(tmp_path_factory, gemma4_tokenizer, monkeypatch, seed, quant,
-                                                   dtype):
-    text = random_text_config(np.random.default_rng(seed), num_kv_shared_layers=0)
+                                                   dtype, pin):
+    text = random_text_config(np.random.default_rng(seed), num_kv_shared_layers=0, **pin)
     m, cfg = build_hf_config(text, seed=seed % 1000)
     model = load_model(save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("trim"))), dtype=dtype, quant=quant)
     assert model.config.first_shared_layer == model.config.num_layers
@@ -64,23 +68,26 @@ def test_engine_with_last_layer_trim_equals_without(tmp_path_factory, gemma4_tok
         rows.append(h.shape[-2])      # traced: one entry per layer per compiled step
         return mlp(mw, h)
     monkeypatch.setattr(gemma, "mlp_block", spy)
-    runner._compiled_step.cache_clear()
-    jax.clear_caches()
-    trimmed = _run(model, gemma4_tokenizer, rows)
-    L = model.config.num_layers
-    steps = [rows[i:i + L] for i in range(0, len(rows), L)]
-    assert len(rows) % L == 0 and steps
-    # a mixed step (16 tokens, 4 logits rows): every layer but the last sees all 16 tokens, the last only 4
-    assert [16] * (L - 1) + [4] in steps, steps
+    try:
+        runner._compiled_step.cache_clear()
+        jax.clear_caches()
+        trimmed = _run(model, gemma4_tokenizer)
+        L = model.config.num_layers
+        steps = [rows[i:i + L] for i in range(0, len(rows), L)]
+        assert len(rows) % L == 0 and steps
+        # a mixed step (16 tokens, 4 logits rows): every layer but the last sees all 16 tokens, the last only 4
+        assert [16] * (L - 1) + [4] in steps, steps
 
-    monkeypatch.setattr(gemma, "decoder", _untrimmed(gemma.decoder))
-    runner._compiled_step.cache_clear()
-    jax.clear_caches()
-    rows.clear()
-    whole = _run(model, gemma4_tokenizer, rows)
-    assert all(s[-1] == s[0] for s in (rows[i:i + L] for i in range(0, len(rows), L)))   # the trim is off here
-    runner._compiled_step.cache_clear()
-    jax.clear_caches()
+        monkeypatch.setattr(gemma, "decoder", _untrimmed(gemma.decoder))
+        runner._compiled_step.cache_clear()
+        jax.clear_caches()
+        rows.clear()
+        whole = _run(model, gemma4_tokenizer)
+        # traced afresh (rows recorded), and the trim is off: the last layer sees as many rows as the first
+        assert rows and all(s[-1] == s[0] for s in (rows[i:i + L] for i in range(0, len(rows), L)))
+    finally:   # no program traced with a patched function outlives the test
+        runner._compiled_step.cache_clear()
+        jax.clear_caches()
 
     tol = 1e-5 if dtype == "float32" else 2e-2
     for (ta, la), (tb, lb) in zip(trimmed, whole):
