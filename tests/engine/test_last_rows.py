@@ -4,11 +4,9 @@ drawn at random (seeded) from the whole space; each engine is held to the same e
 decoder run on every token, then the rows gathered, as before), over a batch that mixes prefill chunks, decodes,
 greedy and sampled requests with logprobs. The trim must also be seen to happen: the last layer's MLP gets fewer
 rows than the step has tokens."""
-import jax
 import numpy as np
 import pytest
 
-from gemmajax.engine import runner
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.model import gemma
@@ -33,9 +31,9 @@ def _untrimmed(decoder):
     return run
 
 
-def _run(model, tok):
+def _run(model, tok, max_model_len: int):
     eng = LLMEngine(model.config, model.weights, tok, EngineConfig(
-        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
+        max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
         token_buckets=(16,), seq_buckets=(4,)))
     rng = np.random.default_rng(11)
     prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (5, 19, 11, 2)]
@@ -68,26 +66,20 @@ def test_engine_with_last_layer_trim_equals_without(tmp_path_factory, gemma4_tok
         rows.append(h.shape[-2])      # traced: one entry per layer per compiled step
         return mlp(mw, h)
     monkeypatch.setattr(gemma, "mlp_block", spy)
-    try:
-        runner._compiled_step.cache_clear()
-        jax.clear_caches()
-        trimmed = _run(model, gemma4_tokenizer)
-        L = model.config.num_layers
-        steps = [rows[i:i + L] for i in range(0, len(rows), L)]
-        assert len(rows) % L == 0 and steps
-        # a mixed step (16 tokens, 4 logits rows): every layer but the last sees all 16 tokens, the last only 4
-        assert [16] * (L - 1) + [4] in steps, steps
+    # The two runs differ in max_model_len, so each has its own runner spec, hence its own jitted step, traced here
+    # with the function patched at that moment (no cache is cleared: other tests' compiled steps stay shared).
+    trimmed = _run(model, gemma4_tokenizer, 64)
+    L = model.config.num_layers
+    steps = [rows[i:i + L] for i in range(0, len(rows), L)]
+    assert len(rows) % L == 0 and steps
+    # a mixed step (16 tokens, 4 logits rows): every layer but the last sees all 16 tokens, the last only 4
+    assert [16] * (L - 1) + [4] in steps, steps
 
-        monkeypatch.setattr(gemma, "decoder", _untrimmed(gemma.decoder))
-        runner._compiled_step.cache_clear()
-        jax.clear_caches()
-        rows.clear()
-        whole = _run(model, gemma4_tokenizer)
-        # traced afresh (rows recorded), and the trim is off: the last layer sees as many rows as the first
-        assert rows and all(s[-1] == s[0] for s in (rows[i:i + L] for i in range(0, len(rows), L)))
-    finally:   # no program traced with a patched function outlives the test
-        runner._compiled_step.cache_clear()
-        jax.clear_caches()
+    monkeypatch.setattr(gemma, "decoder", _untrimmed(gemma.decoder))
+    rows.clear()
+    whole = _run(model, gemma4_tokenizer, 72)
+    # traced afresh (rows recorded), and the trim is off: the last layer sees as many rows as the first
+    assert rows and all(s[-1] == s[0] for s in (rows[i:i + L] for i in range(0, len(rows), L)))
 
     tol = 1e-5 if dtype == "float32" else 2e-2
     for (ta, la), (tb, lb) in zip(trimmed, whole):
