@@ -374,7 +374,8 @@ def model_hidden(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepI
     has_shared = cfg.first_shared_layer < cfg.num_layers
     # Without KV-shared layers, the last layer carries only the logits rows past its attention (`last_rows`): with
     # prompt tokens in the step that skips its o_proj and MLP for every other token (most of the last of Gemma 3
-    # 270M's 18 layers: its q / k / v projections still run on every token). A step with as many tokens as logits rows (all decode) has nothing to skip and keeps the plain gather.
+    # 270M's 18 layers: its q / k / v projections still run on every token). A step with as many tokens as logits
+    # rows (all decode) has nothing to skip and keeps the plain gather.
     tail = not has_shared and inp.token_ids.shape[0] > inp.logits_indices.shape[0]
     soft = None if inp.soft_mask is None else (inp.soft_mask[None], inp.soft_rows[None])
     h, kv = gemma.decoder(weights, cfg, inp.token_ids[None], inp.positions[None],

@@ -11,6 +11,7 @@ from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.model import gemma
 from gemmajax.model.loader import load_model
+from tests.engine.engine_run import tokens_and_logprobs
 from tests.golden.hf_models import build_hf_config, random_text_config, save_text_checkpoint
 
 QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
@@ -41,15 +42,7 @@ def _run(model, tok, max_model_len: int):
               SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=3, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True)]
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(f"r{i}", p, sp)
-    done, lps = {}, {f"r{i}": [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            lps[o.request_id] += o.logprobs or []
-            if o.finished:
-                done[o.request_id] = o
-    return [(done[f"r{i}"].token_ids, lps[f"r{i}"]) for i in range(len(prompts))]
+    return tokens_and_logprobs(eng, prompts, params)
 
 
 @pytest.mark.parametrize("seed,quant,dtype,pin", CASES)
@@ -70,8 +63,12 @@ def test_engine_with_last_layer_trim_equals_without(tmp_path_factory, gemma4_tok
     # with the function patched at that moment (no cache is cleared: other tests' compiled steps stay shared).
     trimmed = _run(model, gemma4_tokenizer, 64)
     L = model.config.num_layers
-    steps = [rows[i:i + L] for i in range(0, len(rows), L)]
-    assert len(rows) % L == 0 and steps
+
+    def per_step():      # the recorded rows, one list per traced step
+        assert len(rows) % L == 0
+        return [rows[i:i + L] for i in range(0, len(rows), L)]
+    steps = per_step()
+    assert steps
     # a mixed step (16 tokens, 4 logits rows): every layer but the last sees all 16 tokens, the last only 4
     assert [16] * (L - 1) + [4] in steps, steps
 
@@ -79,7 +76,7 @@ def test_engine_with_last_layer_trim_equals_without(tmp_path_factory, gemma4_tok
     rows.clear()
     whole = _run(model, gemma4_tokenizer, 72)
     # traced afresh (rows recorded), and the trim is off: the last layer sees as many rows as the first
-    assert rows and all(s[-1] == s[0] for s in (rows[i:i + L] for i in range(0, len(rows), L)))
+    assert rows and all(s[-1] == s[0] for s in per_step())
 
     tol = 1e-5 if dtype == "float32" else 2e-2
     for (ta, la), (tb, lb) in zip(trimmed, whole):

@@ -13,6 +13,7 @@ from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.runner import LayerStack, stack_layers
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.quant.array import QuantArray
+from tests.engine.engine_run import tokens_and_logprobs
 from tests.golden.hf_models import GEMMA3, VARIANTS, build_hf_config, save_text_checkpoint
 
 QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
@@ -104,15 +105,7 @@ def _run(model, tok, stack: bool):
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(f"r{i}", p, sp)
-    done, lps = {}, {f"r{i}": [] for i in range(len(prompts))}
-    while eng.has_unfinished():
-        for o in eng.step():
-            lps[o.request_id] += o.logprobs or []      # RequestOutput.logprobs: the new tokens' only
-            if o.finished:
-                done[o.request_id] = o
-    return [(done[f"r{i}"].token_ids, lps[f"r{i}"]) for i in range(len(prompts))]
+    return tokens_and_logprobs(eng, prompts, params)
 
 
 @pytest.mark.parametrize("variant,quant,dtype", [ENGINE_CASE])
