@@ -297,7 +297,8 @@ def bandwidth_fraction(r: dict, s: int, bw_gbs: float, args) -> float | None:
     return step_bytes * (tok / s) / (bw_gbs * 1e9)
 
 
-def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | None) -> str:
+def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | None,
+           kind_floor: dict | None = None) -> str:
     head = ("| engine | mode | weights MB | load s | first calls s (1/16) | TTFT ms (1/16) | tok/s 1 | tok/s 16 "
             "| BW % 1 | BW % 16 | peak RSS MB |")
     lines = [(f"load average {quiet['load_before']:.2f} before the run -> {quiet['load_after']:.2f} after; "
@@ -325,8 +326,41 @@ def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | 
         lines += ["", "GEMM floor (bench/gemm_floor.py, this run: every weight GEMM of a step alone, bf16, XLA:CPU): "
                   + "; ".join(f"{m} rows {1e3 * lay:.1f} + LM head {1e3 * lm:.1f} = {1e3 * (lay + lm):.1f} ms "
                               f"({m / (lay + lm):.0f} tok/s bound)" for m, (lay, lm) in sorted(floor.items()))]
-    lines += ["", *targets(results, args, quiet, floor)]
+    if kind_floor and len(kind_floor) > 1:
+        lines += ["", "GEMM floor by mode (the same, each weight as the mode stores it, through the engine's own "
+                  "matmuls; ms at " + " / ".join(str(s) for s in args.streams) + " rows): "
+                  + "; ".join(f"{_mode_name(m)} " + " / ".join(f"{1e3 * t:.1f}" if t else "-" for t in
+                                                             (mode_floor(kind_floor, m, s) for s in args.streams))
+                              for m in MODES)]
+    lines += ["", *targets(results, args, quiet, floor, kind_floor)]
     return "\n".join(lines)
+
+
+def _mode_name(mode: str) -> str:
+    return "bf16" if mode == "none" else mode
+
+
+def mode_floor(kind_floor: dict | None, mode: str, rows: int) -> float | None:
+    """Seconds the GEMMs of one step of `mode` (MODES: "none", "w8a8" or "w4a16", with "+emb8" / "+emb4") take
+    alone at `rows`: its layers' weight kind plus its LM head's, from gemm_floor.measure()'s "xla_kinds"
+    ({kind: {rows: (layers s, LM head s)}}); None when a kind or row count was not measured."""
+    base, _, emb = mode.partition("+")
+    lay_kind = {"none": "bf16", "bf16": "bf16", "w8a8": "int8", "w4a16": "int4"}[base]
+    head_kind = {"": "bf16", "emb8": "int8", "emb4": "int4"}[emb]
+    try:
+        return kind_floor[lay_kind][rows][0] + kind_floor[head_kind][rows][1]
+    except (KeyError, TypeError):
+        return None
+
+
+def floor_ratio_vs_bf16(kind_floor: dict | None, mode: str, rows: int) -> float | None:
+    """bf16's GEMM floor over `mode`'s at `rows`: above 1 when the mode's GEMMs alone are faster. Printed beside the
+    mode-against-bf16 targets, not judged: a mode's tok/s over bf16's is (F_bf16 + R) / (F_mode + R) for the same
+    rest R of the step, so at most this ratio when it is above 1 and below 1 otherwise; but one process's GEMMs
+    differ from the next's by up to 30 % on this machine (the bf16 one-row LM head: 5.9-10.3 ms in fresh
+    processes, with transparent huge pages or without), more than most of these ratios' distance from 1."""
+    fb, fm = mode_floor(kind_floor, "none", rows), mode_floor(kind_floor, mode, rows)
+    return None if not fb or not fm else fb / fm
 
 
 QUIET_LOAD = 0.5  # a 1-minute load average above this before the run: the figures are not measurements
@@ -343,13 +377,17 @@ def quiet_check(load_before: float, foreign: float) -> str | None:
     return "; ".join(why) or None
 
 
-def targets(results: list[dict], args, quiet: dict, floor: dict | None) -> list[str]:
+def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_floor: dict | None = None) -> list[str]:
     """Issue 16's targets, each with its measured ratio and PASS / FAIL, or 'not judged' when the machine was not
-    quiet (quiet_check); then the informational ratios."""
+    quiet (quiet_check); then the informational ratios. With the GEMM floors by mode (kind_floor, this run), each
+    target also gets its ceiling: the best ratio the modes' GEMMs alone allow (a step is never faster than its GEMMs;
+    against a peer: the mode's rate if its step were its GEMMs alone, over the peer's), and a failed target whose
+    ceiling is under what it needs says "out of reach with these GEMMs"; the targets against bf16 get the two GEMM
+    floors' ratio, printed only (floor_ratio_vs_bf16)."""
     ok = {(r["engine"], r["mode"]): r for r in results if "error" not in r and "skipped" not in r}
     s16 = args.streams[-1]
     why = quiet_check(quiet["load_before"], quiet["foreign"])
-    rows: list[tuple[str, float | None, float]] = []  # (what, measured ratio or None if missing, needed)
+    rows: list[tuple] = []  # (what, measured ratio or None if missing, needed, ceiling or None, judged by it?)
 
     def rate(r, s):
         return None if r is None else r.get(f"tok_s_{s}")
@@ -363,33 +401,43 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None) -> list[
     lcs = [r for (e, _), r in ok.items() if e == "llama.cpp" and r.get("tok_s_1")]
     lc = max(lcs, key=lambda r: r["tok_s_1"]) if lcs else None
     lc_name = f"llama.cpp {lc['mode']}" if lc else "llama.cpp"
+
+    def bound(s, peer_rate, modes):  # the best rate any of `modes`' GEMMs alone allow at s streams, over a peer's
+        fs = [f for f in (mode_floor(kind_floor, m, s) for m in modes) if f]
+        return ratio(s / min(fs), peer_rate) if fs else None
+
+    measured = [m for m in MODES if _mode_name(m) in ours]
     for mode in (m for m in MODES if m != "none"):
         for s in (1, s16):
             rows.append((f"gemmajax {mode} / gemmajax bf16 at {s} stream{'s' if s > 1 else ''}",
-                         ratio(rate(ours.get(mode), s), rate(bf, s)), 1.0))
+                         ratio(rate(ours.get(mode), s), rate(bf, s)), 1.0, floor_ratio_vs_bf16(kind_floor, mode, s),
+                         False))
     rows.append((f"gemmajax w4a16+emb4 / {lc_name} at 1 stream", ratio(rate(ours.get("w4a16+emb4"), 1), rate(lc, 1)),
-                 1.0))
+                 1.0, bound(1, rate(lc, 1), ["w4a16+emb4"]), True))
     best1 = max(ours.values(), key=lambda r: r.get("tok_s_1") or 0) if ours else None
     rows.append((f"best gemmajax mode at 1 stream ({best1['mode'] if best1 else '-'}) / {lc_name}",
-                 ratio(rate(best1, 1), rate(lc, 1)), 1.5))
+                 ratio(rate(best1, 1), rate(lc, 1)), 1.5, bound(1, rate(lc, 1), measured), True))
     floor_rate = s16 / sum(floor[s16]) if floor and s16 in floor else None
     rows.append((f"gemmajax bf16 at {s16} streams / the GEMM floor's rate ({floor_rate or 0:.0f} tok/s)",
-                 ratio(rate(bf, s16), floor_rate), 0.85))
+                 ratio(rate(bf, s16), floor_rate), 0.85, None, True))
     best16 = max(ours.values(), key=lambda r: r.get(f"tok_s_{s16}") or 0) if ours else None
     rows.append((f"best gemmajax mode at {s16} streams ({best16['mode'] if best16 else '-'}) / transformers bf16",
-                 ratio(rate(best16, s16), rate(hf, s16)), 2.0))
+                 ratio(rate(best16, s16), rate(hf, s16)), 2.0, bound(s16, rate(hf, s16), measured), True))
     for mode in (m if m != "none" else "bf16" for m in MODES):
         if mode in ours:  # a shorter time is better: the ratio is transformers' TTFT over ours
             rows.append((f"TTFT of {s16} prompts: transformers bf16 / gemmajax {mode}",
-                         ratio((hf or {}).get(f"ttft_s_{s16}"), ours[mode].get(f"ttft_s_{s16}")), 1.0))
+                         ratio((hf or {}).get(f"ttft_s_{s16}"), ours[mode].get(f"ttft_s_{s16}")), 1.0, None, True))
     out = [f"not a measurement: {why}; the ratios below are printed, not judged" if why else
            f"quiet machine (load {quiet['load_before']:.2f} before the run, other processes "
            f"{100 * quiet['foreign']:.1f} % of the CPUs): targets judged"]
     passed = 0
-    for what, x, need in rows:
+    for what, x, need, ceil, judged in rows:
         verdict = "missing" if x is None else "not judged" if why else "PASS" if x >= need else "FAIL"
         passed += verdict == "PASS"
-        out.append(f"  {what}: {'-' if x is None else f'{x:.2f}x'} (target >= {need:g}x): {verdict}")
+        if verdict == "FAIL" and judged and ceil is not None and ceil < need:
+            verdict += ", out of reach with these GEMMs"
+        cell = "" if ceil is None else f"; GEMM {'ceiling' if judged else 'floors bf16 / mode'} {ceil:.2f}x"
+        out.append(f"  {what}: {'-' if x is None else f'{x:.2f}x'} (target >= {need:g}x{cell}): {verdict}")
     if not why:
         out.append(f"{passed} of {len(rows)} targets pass")
     if bf and floor and s16 in floor and rate(bf, s16):
@@ -490,13 +538,16 @@ def main() -> None:
     busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
     bw1, bw = measure_bandwidth()
     print(f"numpy-sum bandwidth: {bw1:.1f} GB/s one thread, {bw:.1f} GB/s all cores", flush=True)
-    floor = None
+    floor = kind_floor = None
     if not args.no_floor:
         import gemm_floor  # bench/ is on sys.path: this script runs as bench/compare_cpu.py
-        fl = gemm_floor.measure(args.model_path, rows=sorted(set(args.streams)), engines=("xla",))
+        kinds = ("bf16", "int8", "int4") if any(m != "none" for m in args.modes) else ("bf16",)
+        fl = gemm_floor.measure(args.model_path, rows=sorted(set(args.streams)), engines=("xla",), kinds=kinds)
         floor = {int(m): tuple(v) for m, v in fl["xla"].items()}
-        print("GEMM floor (XLA:CPU): " + json.dumps({m: [round(1e3 * t, 2) for t in v] for m, v in floor.items()}),
-              flush=True)
+        kind_floor = fl["xla_kinds"]
+        print("GEMM floor (XLA:CPU) by weight kind, ms (layers, LM head): " + json.dumps(
+            {k: {m: [round(1e3 * t, 2) for t in v] for m, v in by.items()} for k, by in kind_floor.items()}),
+            flush=True)
     seen: dict[str, list[dict]] = {}  # every round's figures (copies): the table's best and the spread come from it
     for rnd in range(args.rounds):  # configurations alternate, so a busy spell of the machine hits all of them
         for cfg in configs(args):
@@ -510,14 +561,14 @@ def main() -> None:
     foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
     quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign}
     results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
-    text = report(results, bw, args, quiet, floor)
+    text = report(results, bw, args, quiet, floor, kind_floor)
     if args.rounds > 1:
         text += "\n" + "\n".join(spread(seen, args))
     print("\n" + text)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bandwidth_gbs": bw, "results": results, "args": vars(args), "quiet": quiet,
-                       "gemm_floor_s": floor}, fh, indent=1)
+                       "gemm_floor_s": floor, "gemm_floor_by_kind_s": kind_floor}, fh, indent=1)
 
 
 if __name__ == "__main__":

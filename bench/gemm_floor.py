@@ -65,31 +65,65 @@ def warm_best(reps: int, fn, *args) -> float:
     return best_of(functools.partial(fn, *args), reps)
 
 
-def child_xla(layer_shapes, head, rows, reps) -> dict:
+KINDS = ("bf16", "int8", "int4")  # weight kinds of the XLA child: the bf16 weight, w8a8's int8, w4a16's int4
+
+
+def quantized(kind: str, w, table: bool = False):
+    """A bf16 weight [out, in] as the engine stores it for `kind`: bf16 as is; int8 per output row with the w8a8
+    activation groups the loaders give (quantize.default_act_group), int4 in groups of 32; a vocabulary table
+    (`table`) as quantize_table makes the +emb8 / +emb4 tables."""
+    from gemmajax.quant.quantize import default_act_group, quantize, quantize_table
+    if kind == "bf16":
+        return w
+    if table:
+        return quantize_table(w, 8 if kind == "int8" else 4)
+    if kind == "int8":
+        return quantize(w, "int8", act_group=default_act_group(w.shape[1]))
+    return quantize(w, "int4", 32)
+
+
+def child_xla(layer_shapes, head, rows, reps, kinds=("bf16",)) -> dict:
+    """{kind: {rows: (layers s, LM head s)}} through the engine's own matmuls (`linear`: dense_matmul_cpu for bf16,
+    the int8 / int4 CPU forms for quantized weights), each kind's weights built from the same bf16 values."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from gemmajax.quant.ops import dense_matmul_cpu  # the form gemmajax's CPU step uses for each row count
+    from gemmajax.quant.ops import linear
 
-    rng = np.random.default_rng(0)
-    ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.05, jnp.bfloat16) for s in layer_shapes]
-    w_head = jnp.asarray(rng.standard_normal(head, np.float32) * 0.05, jnp.bfloat16)
-    out = {}
-    for m in rows:
-        xs = {k: jnp.ones((m, k), jnp.bfloat16) for k in {s[1] for s in layer_shapes} | {head[1]}}
+    rng = np.random.default_rng(0)  # std 1 / sqrt(in): each product keeps its input's scale along the chain
+    ws16 = [jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[1]), jnp.bfloat16) for s in layer_shapes]
+    head16 = jnp.asarray(rng.standard_normal(head, np.float32) / np.sqrt(head[1]), jnp.bfloat16)
+    out: dict = {}
 
-        @jax.jit
-        def layers(xs, ws):  # every product is kept (one element of each summed), so none is dead code
-            acc = jnp.zeros((), jnp.float32)
-            for w in ws:
-                acc += dense_matmul_cpu(xs[w.shape[1]], w)[0, 0].astype(jnp.float32)
-            return acc
+    def ready(f, *a):
+        return jax.block_until_ready(f(*a))
 
-        lm = jax.jit(dense_matmul_cpu)
-        def ready(f, *a):
-            return jax.block_until_ready(f(*a))
-        out[m] = (warm_best(reps, ready, layers, xs, ws), warm_best(reps, ready, lm, xs[head[1]], w_head))
+    @jax.jit
+    def layers(xs, ws):
+        """The step's data flow: each GEMM reads the latest output of its input width (q / k / v the previous
+        layer's down_proj, o_proj q's, gate / up o_proj's, down_proj up's), so that, as in the model, a weight's
+        per-call conversion cannot be scheduled before its input exists (int8_matmul.after); every product is
+        kept (one element of each summed), so none is dead code."""
+        acc, latest = jnp.zeros((), jnp.float32), dict(xs)
+        for w in ws:
+            y = linear(latest[w.shape[1]], w)
+            latest[w.shape[0]] = y
+            acc += y[0, 0].astype(jnp.float32)
+        return acc
+
+    lm = jax.jit(linear)
+    for kind in kinds:
+        ws = [quantized(kind, w) for w in ws16]
+        w_head = quantized(kind, head16, table=True)
+        jax.block_until_ready((ws, w_head))
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, max(max(s[1] for s in layer_shapes), head[1])), np.float32),
+                            jnp.bfloat16)
+            xs = {k: x[:, :k] for k in {s[1] for s in layer_shapes} | {head[1]}}
+            out.setdefault(kind, {})[m] = (warm_best(reps, ready, layers, xs, ws),
+                                           warm_best(reps, ready, lm, xs[head[1]], w_head))
+        del ws, w_head
     return out
 
 
@@ -112,27 +146,36 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
 
 
 def measure(model_path: str | None = None, rows=(1, 16), reps: int = 5, rounds: int = 3,
-            engines=("xla", "torch")) -> dict:
+            engines=("xla", "torch"), kinds=("bf16",)) -> dict:
     """The floor for each engine and row count, each process a fresh one, rounds alternating between engines (best
-    of all rounds). Returns {"layers": [[out, in], ...], "head": [V, D], engine: {rows: (layers s, LM head s)}}."""
+    of all rounds). Returns {"layers": [[out, in], ...], "head": [V, D], engine: {rows: (layers s, LM head s)}}
+    (bf16 weights), and for XLA {"xla_kinds": {kind: {rows: (layers s, LM head s)}}} for each of `kinds` (KINDS:
+    the layers' and the tied head's weights as w8a8 / w4a16 and +emb8 / +emb4 store them; a mode's floor is its
+    layers' kind plus its head's: compare_cpu.mode_floor)."""
     from gemmajax.model.gguf import default_model_path
     from gemmajax.model.loader import open_checkpoint
     cfg = open_checkpoint(model_path or default_model_path()).config
     layer_shapes, head = shapes(cfg)
-    res: dict = {"layers": layer_shapes, "head": head, **{e: {} for e in engines}}
+    kinds = tuple(dict.fromkeys(("bf16", *kinds)))
+    res: dict = {"layers": layer_shapes, "head": head, **{e: {} for e in engines}, "xla_kinds": {}}
     for _ in range(rounds):  # alternating rounds, best of all: other tenants of the machine come and go
         for engine in engines:
             spec = json.dumps({"engine": engine, "layers": layer_shapes, "head": head, "rows": list(rows),
-                               "reps": reps})
+                               "reps": reps, "kinds": list(kinds)})
             env = dict(os.environ, JAX_PLATFORMS="cpu")
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
                                text=True, env=env, check=False)
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if not line:
                 raise RuntimeError(f"gemm_floor {engine} failed: {p.stderr.strip().splitlines()[-3:]}")
-            for k, (lay, lm) in json.loads(line[-1][7:]).items():
-                old = res[engine].get(int(k), (float("inf"), float("inf")))
-                res[engine][int(k)] = (min(old[0], lay), min(old[1], lm))
+            got = json.loads(line[-1][7:])
+            per_kind = got if engine == "xla" else {"bf16": got}
+            for kind, by_rows in per_kind.items():
+                dst = res["xla_kinds"].setdefault(kind, {}) if engine == "xla" else None
+                for k, (lay, lm) in by_rows.items():
+                    for d in ([res[engine]] if kind == "bf16" else []) + ([dst] if dst is not None else []):
+                        old = d.get(int(k), (float("inf"), float("inf")))
+                        d[int(k)] = (min(old[0], lay), min(old[1], lm))
     return res
 
 
@@ -142,16 +185,25 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="timed calls per process (best taken)")
     ap.add_argument("--rounds", type=int, default=3, help="processes per library, alternating (best taken)")
     ap.add_argument("--model-path", default=None, help="a checkpoint gemmajax loads (default: the Gemma 3 270M GGUF)")
+    ap.add_argument("--kinds", default="bf16", type=lambda v: [k.strip() for k in v.split(",") if k.strip()],
+                    help=f"XLA weight kinds, some of {','.join(KINDS)} (int8 / int4: w8a8 / w4a16 layers and the "
+                         "+emb8 / +emb4 head)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         spec = json.loads(args.child)
-        fn = child_xla if spec["engine"] == "xla" else child_torch
-        res = fn([tuple(s) for s in spec["layers"]], tuple(spec["head"]), spec["rows"], spec["reps"])
+        shapes_, head_ = [tuple(s) for s in spec["layers"]], tuple(spec["head"])
+        if spec["engine"] == "xla":
+            res = child_xla(shapes_, head_, spec["rows"], spec["reps"], tuple(spec.get("kinds", ("bf16",))))
+        else:
+            res = child_torch(shapes_, head_, spec["rows"], spec["reps"])
         print("RESULT " + json.dumps(res), flush=True)
         return
+    bad = [k for k in args.kinds if k not in KINDS]
+    if bad:
+        raise SystemExit(f"--kinds: unknown {bad}; expected some of {KINDS}")
     print(f"load average {os.getloadavg()[0]:.2f} before the run", flush=True)
-    res = measure(args.model_path, args.rows, args.reps, args.rounds)
+    res = measure(args.model_path, args.rows, args.reps, args.rounds, kinds=args.kinds)
     layer_shapes, head = res["layers"], res["head"]
     print(f"{len(layer_shapes)} layer GEMMs + LM head {head[0]} x {head[1]}; bf16 weights "
           f"{(sum(a * b for a, b in layer_shapes) + head[0] * head[1]) * 2 / 1e6:.0f} MB; load average at the end "
@@ -164,6 +216,12 @@ def main() -> None:
             lay, lm = res[engine][m]
             cells += [f"{lay * 1e3:.1f}", f"{lm * 1e3:.1f}", f"{(lay + lm) * 1e3:.1f}", f"{m / (lay + lm):.0f}"]
         print(f"| {m} | " + " | ".join(cells) + " |")
+    if len(res["xla_kinds"]) > 1:
+        print("\nXLA:CPU by weight kind (the engine's matmul for each: `linear`), ms:\n\n| rows | kind | layers | "
+              "LM head |\n|---:|---|---:|---:|")
+        for m in args.rows:
+            for kind, by_rows in res["xla_kinds"].items():
+                print(f"| {m} | {kind} | {1e3 * by_rows[m][0]:.2f} | {1e3 * by_rows[m][1]:.2f} |")
 
 
 if __name__ == "__main__":

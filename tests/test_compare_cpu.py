@@ -44,3 +44,57 @@ def test_loading_compare_cpu_leaves_bench_off_the_import_path():
     assert all(os.path.realpath(p or os.curdir) != bench for p in sys.path)  # realpath: a symlink to bench/ too
     spec = importlib.util.find_spec("kernels")
     assert spec is None or not os.path.realpath(spec.origin or "").startswith(bench + os.sep)
+
+
+# GEMM floors by weight kind (seconds: layers, LM head) at 1 and 16 rows, as gemm_floor.measure() returns them
+KIND_FLOOR = {"bf16": {1: (6e-3, 9e-3), 16: (20e-3, 30e-3)},
+              "int8": {1: (3.7e-3, 4.8e-3), 16: (18e-3, 28e-3)},
+              "int4": {1: (6.5e-3, 9.5e-3), 16: (21e-3, 33e-3)}}
+
+
+def test_a_modes_floor_is_its_layers_kind_plus_its_heads_kind():
+    mf = compare_cpu.mode_floor
+    assert mf(KIND_FLOOR, "none", 1) == 6e-3 + 9e-3
+    assert mf(KIND_FLOOR, "w8a8", 16) == 18e-3 + 30e-3  # int8 layers, the bf16 table
+    assert mf(KIND_FLOOR, "w4a16+emb8", 1) == 6.5e-3 + 4.8e-3
+    assert mf(KIND_FLOOR, "w8a8+emb4", 16) == 18e-3 + 33e-3
+    assert mf(KIND_FLOOR, "w8a8", 64) is None and mf(None, "w8a8", 1) is None
+    assert mf({"bf16": KIND_FLOOR["bf16"]}, "w4a16", 1) is None  # a kind that was not measured
+    assert abs(compare_cpu.floor_ratio_vs_bf16(KIND_FLOOR, "w8a8+emb8", 1) - 15e-3 / 8.5e-3) < 1e-12
+    assert abs(compare_cpu.floor_ratio_vs_bf16(KIND_FLOOR, "w4a16+emb4", 1) - 15e-3 / 16e-3) < 1e-12
+
+
+def test_targets_say_which_failures_the_gemm_floors_put_out_of_reach():
+    res = [{"engine": "gemmajax", "mode": "bf16", "tok_s_1": 60.0, "tok_s_16": 280.0, "ttft_s_16": 0.28},
+           {"engine": "gemmajax", "mode": "w8a8+emb8", "tok_s_1": 100.0, "tok_s_16": 300.0, "ttft_s_16": 0.29},
+           {"engine": "gemmajax", "mode": "w4a16+emb4", "tok_s_1": 55.0, "tok_s_16": 265.0, "ttft_s_16": 0.30},
+           {"engine": "transformers", "mode": "bf16", "tok_s_1": 17.0, "tok_s_16": 184.0, "ttft_s_16": 0.297},
+           {"engine": "llama.cpp", "mode": "Q4_K_M, 2 threads", "tok_s_1": 77.0}]
+    args = argparse.Namespace(streams=[1, 16])
+    quiet = {"load_before": 0.1, "load_after": 0.2, "foreign": 0.0}
+    floor16 = {16: KIND_FLOOR["bf16"][16]}
+    lines = compare_cpu.targets(res, args, quiet, floor16, KIND_FLOOR)
+
+    def line(start):
+        hits = [ln for ln in lines if ln.strip().startswith(start)]
+        assert len(hits) == 1, (start, lines)
+        return hits[0]
+    # against bf16 the floors' ratio is printed, never judged: int4's GEMMs (16.0 ms) against bf16's (15.0)
+    assert line("gemmajax w4a16+emb4 / gemmajax bf16 at 1 stream:").endswith(
+        "0.92x (target >= 1x; GEMM floors bf16 / mode 0.94x): FAIL")
+    assert line("gemmajax w8a8+emb8 / gemmajax bf16 at 1 stream:").endswith(
+        "1.67x (target >= 1x; GEMM floors bf16 / mode 1.76x): PASS")
+    # 1 / 16.0 ms = 62.5 tok/s at most, 0.81 of llama.cpp's 77
+    assert line("gemmajax w4a16+emb4 / llama.cpp").endswith(
+        "0.71x (target >= 1x; GEMM ceiling 0.81x): FAIL, out of reach with these GEMMs")
+    # the best floor at 1 row (w8a8+emb8, 8.5 ms: 117.6 tok/s) allows 1.53x: a plain failure, not out of reach
+    assert line("best gemmajax mode at 1 stream").endswith("1.30x (target >= 1.5x; GEMM ceiling 1.53x): FAIL")
+    # 16 rows / 46 ms = 347.8 tok/s = 1.89x transformers' 184 < 2
+    assert line("best gemmajax mode at 16 streams").endswith(
+        "1.63x (target >= 2x; GEMM ceiling 1.89x): FAIL, out of reach with these GEMMs")
+    # modes that did not run have no verdict beyond "missing"; TTFT has no ceiling
+    assert line("gemmajax w8a8 / gemmajax bf16 at 1 stream:").endswith(": missing")
+    assert line("TTFT of 16 prompts: transformers bf16 / gemmajax bf16:").endswith("1.06x (target >= 1x): PASS")
+    # without the floors by kind the verdicts are the plain ones
+    plain = compare_cpu.targets(res, args, quiet, floor16)
+    assert not any("ceiling" in ln or "out of reach" in ln for ln in plain)
