@@ -8,7 +8,16 @@ library, and S / time the most tokens/s any engine built on it can decode. It ru
 gemmajax's CPU step compiles to: `dense_matmul_cpu`, YNNPACK GEMMs from 2 rows) and through torch (oneDNN: what
 transformers' step calls), each in processes of its own so their thread pools do not compete.
 
+With --kinds the XLA child also runs the same GEMMs with the weights as the quantized modes store them (int8: w8a8
+layers and the +emb8 table; int4: w4a16 layers and the +emb4 table) through the engine's own `linear`, activation
+quantization and per-call conversions included; a mode's floor is its layers' kind plus its head's, and
+bench/compare_cpu.py prints each target's ceiling from them. Each GEMM reads the latest output of its input width,
+the step's data flow (q / k / v the previous layer's down_proj, o_proj q's, gate / up o_proj's, down_proj up's): with
+every GEMM reading the same input, XLA scheduled every int8 layer's per-call conversion at the program's start
+(int8 at 16 rows 69.7 ms against 17.7-18.2 chained). The table below predates the chain (independent GEMMs).
+
     .venv/bin/python bench/gemm_floor.py --rows 1 2 16 64    # Gemma 3 270M (the GGUF's config); ~2 min
+    .venv/bin/python bench/gemm_floor.py --rows 1 16 --kinds bf16,int8,int4 --rounds 3    # ~3 min
 
 Measured here (2-core AMD EPYC, AVX-512 bf16, jax 0.10.2, torch 2.13.0; best of 3 rounds x 5 calls):
 
