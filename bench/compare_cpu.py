@@ -344,13 +344,13 @@ def mode_floor(kind_floor: dict | None, mode: str, rows: int) -> float | None:
     """Seconds the GEMMs of one step of `mode` (MODES: "none", "w8a8" or "w4a16", with "+emb8" / "+emb4") take
     alone at `rows`: its layers' weight kind plus its LM head's, from gemm_floor.measure()'s "xla_kinds"
     ({kind: {rows: (layers s, LM head s)}}); None when a kind or row count was not measured."""
-    base, _, emb = mode.partition("+")
-    lay_kind = {"none": "bf16", "bf16": "bf16", "w8a8": "int8", "w4a16": "int4"}[base]
-    head_kind = {"": "bf16", "emb8": "int8", "emb4": "int4"}[emb]
-    try:
-        return kind_floor[lay_kind][rows][0] + kind_floor[head_kind][rows][1]
-    except (KeyError, TypeError):
+    from gemmajax.quant.quantize import parse_quant
+    if not kind_floor:
         return None
+    q = parse_quant(mode)
+    lay = kind_floor.get(q.linear or "bf16", {})
+    head = kind_floor.get({8: "int8", 4: "int4"}.get(q.table_bits, "bf16"), {})
+    return lay[rows][0] + head[rows][1] if rows in lay and rows in head else None
 
 
 def floor_ratio_vs_bf16(kind_floor: dict | None, mode: str, rows: int) -> float | None:
@@ -423,7 +423,7 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_flo
     best16 = max(ours.values(), key=lambda r: r.get(f"tok_s_{s16}") or 0) if ours else None
     rows.append((f"best gemmajax mode at {s16} streams ({best16['mode'] if best16 else '-'}) / transformers bf16",
                  ratio(rate(best16, s16), rate(hf, s16)), 2.0, bound(s16, rate(hf, s16), measured), True))
-    for mode in (m if m != "none" else "bf16" for m in MODES):
+    for mode in map(_mode_name, MODES):
         if mode in ours:  # a shorter time is better: the ratio is transformers' TTFT over ours
             rows.append((f"TTFT of {s16} prompts: transformers bf16 / gemmajax {mode}",
                          ratio((hf or {}).get(f"ttft_s_{s16}"), ours[mode].get(f"ttft_s_{s16}")), 1.0, None, True))
