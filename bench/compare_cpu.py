@@ -147,20 +147,25 @@ def kv_bytes_per_token(cfg, itemsize: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the engines
-def child_gemmajax(mode: str, prompts, args) -> dict:
-    import jax
-
+def gemmajax_runner(mode: str, args):
+    """(the LLM of one quant mode, its run(batch, n)) as every gemmajax child builds them."""
     import gemmajax
-    t = time.perf_counter()
     llm = gemmajax.LLM(args.model_path, quant=mode, dtype="bfloat16", kv_dtype="bf16", max_model_len=512,
                        max_num_seqs=max(args.streams), kv_cache_memory=256 << 20, enable_prefix_caching=False)
-    load = time.perf_counter() - t
     params = {n: gemmajax.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, args.new_tokens)}
 
     def run(batch, n):
         outs = llm.generate(batch, params[n])
         assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
 
+    return llm, run
+
+
+def child_gemmajax(mode: str, prompts, args) -> dict:
+    import jax
+    t = time.perf_counter()
+    llm, run = gemmajax_runner(mode, args)
+    load = time.perf_counter() - t
     res = decode_figures(run, prompts, tuple(args.streams), args.new_tokens, args.reps)
     weights = sum(leaf.nbytes for leaf in jax.tree.leaves(llm.engine.runner.weights))  # the engine's copy
     cfg = llm.config
@@ -244,7 +249,46 @@ def child_llamacpp(threads: str, prompts, args) -> dict:
             **res}
 
 
-CHILDREN = {"gemmajax": child_gemmajax, "transformers": child_transformers, "llama.cpp": child_llamacpp}
+def child_gemmajax_paired(modes: str, prompts, args) -> dict:
+    """Every mode of `modes` (comma-separated, "none" among them) as an engine of one process, their decode rates
+    measured in --paired-rounds interleaved rounds: each round times every engine once per stream count (t(1) and
+    t(N) new tokens, the rate as in decode_figures), the engines' order rotated by one each round. A mode's rate
+    over bf16's is then taken within each round (paired_ratio): the machine's speed drifts over minutes (its
+    memory bandwidth with its neighbours' load: 27.5-47.8 GB/s between runs), and two figures a few seconds apart
+    share the drift where two processes' bests do not. Returns {"paired": {mode: {streams: [tok/s per round]}}}."""
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    runs = {}
+    for m in names:
+        runs[_mode_name(m)] = gemmajax_runner(m, args)[1]
+    streams = tuple(args.streams)
+    for run in runs.values():  # compiles and warm-up, untimed
+        for s in streams:
+            run(prompts[:s], 1)
+            run(prompts[:s], args.new_tokens)
+    rates: dict[str, dict[str, list[float]]] = {m: {str(s): [] for s in streams} for m in runs}
+    order = list(runs)
+    for rnd in range(args.paired_rounds):
+        for m in order[rnd % len(order):] + order[:rnd % len(order)]:
+            for s in streams:
+                t1 = best_of(lambda r=runs[m], b=prompts[:s]: r(b, 1), 1)
+                tn = best_of(lambda r=runs[m], b=prompts[:s]: r(b, args.new_tokens), 1)
+                rates[m][str(s)].append(s * (args.new_tokens - 1) / max(tn - t1, 1e-9))
+    return {"engine": "gemmajax-paired", "mode": ",".join(runs), "paired": rates}
+
+
+def paired_ratio(paired: dict | None, mode: str, s: int) -> tuple[float, float, float] | None:
+    """(median, min, max) over the interleaved rounds of `mode`'s tok/s over bf16's in the same round, at s
+    streams, from child_gemmajax_paired's "paired"; None without both modes' figures."""
+    if not paired:
+        return None
+    a, b = paired.get(mode, {}).get(str(s)), paired.get("bf16", {}).get(str(s))
+    if not a or not b or len(a) != len(b):
+        return None
+    r = [x / y for x, y in zip(a, b)]
+    return _median(r), min(r), max(r)
+
+
+CHILDREN = {"gemmajax": child_gemmajax, "gemmajax-paired": child_gemmajax_paired, "transformers": child_transformers, "llama.cpp": child_llamacpp}
 
 
 def run_child(args) -> None:
@@ -274,7 +318,8 @@ def configs(args) -> list[str]:
 def spawn(cfg: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", cfg, "--new-tokens", str(args.new_tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--reps", str(args.reps), "--model-path", args.model_path,
-           "--prompts-file", args.prompts_file, "--streams", *map(str, args.streams)]
+           "--prompts-file", args.prompts_file, "--paired-rounds", str(args.paired_rounds),
+           "--streams", *map(str, args.streams)]
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), TOKENIZERS_PARALLELISM="false")
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -298,10 +343,11 @@ def bandwidth_fraction(r: dict, s: int, bw_gbs: float, args) -> float | None:
 
 
 def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | None,
-           kind_floor: dict | None = None) -> str:
+           kind_floor: dict | None = None, paired: dict | None = None) -> str:
     head = ("| engine | mode | weights MB | load s | first calls s (1/16) | TTFT ms (1/16) | tok/s 1 | tok/s 16 "
             "| BW % 1 | BW % 16 | peak RSS MB |")
-    lines = [(f"load average {quiet['load_before']:.2f} before the run -> {quiet['load_after']:.2f} after; "
+    lines = [f"CPU: {quiet.get('cpu') or cpu_description()}",
+             (f"load average {quiet['load_before']:.2f} before the run -> {quiet['load_after']:.2f} after; "
               f"other processes used {100 * quiet['foreign']:.1f} % of the CPUs during the run; numpy-sum bandwidth "
               f"{bw_gbs:.1f} GB/s (all cores; the BW % columns use it); "
               f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy"),
@@ -332,7 +378,13 @@ def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | 
                   + "; ".join(f"{_mode_name(m)} " + " / ".join(f"{1e3 * t:.1f}" if t else "-" for t in
                                                              (mode_floor(kind_floor, m, s) for s in args.streams))
                               for m in MODES)]
-    lines += ["", *targets(results, args, quiet, floor, kind_floor)]
+    if paired:
+        n = len(next(iter(next(iter(paired.values())).values())))
+        lines += ["", f"paired (every gemmajax mode an engine of one process, {n} interleaved rounds; tok/s at "
+                  + " / ".join(str(s) for s in args.streams) + " streams, median of the rounds): "
+                  + "; ".join(f"{m} " + " / ".join(f"{_median(by[str(s)]):.1f}" for s in args.streams)
+                              for m, by in paired.items())]
+    lines += ["", *targets(results, args, quiet, floor, kind_floor, paired)]
     return "\n".join(lines)
 
 
@@ -377,17 +429,25 @@ def quiet_check(load_before: float, foreign: float) -> str | None:
     return "; ".join(why) or None
 
 
-def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_floor: dict | None = None) -> list[str]:
+def _median(v: list[float]) -> float:
+    r, n = sorted(v), len(v)
+    return r[n // 2] if n % 2 else (r[n // 2 - 1] + r[n // 2]) / 2
+
+
+def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_floor: dict | None = None,
+            paired: dict | None = None) -> list[str]:
     """Issue 16's targets, each with its measured ratio and PASS / FAIL, or 'not judged' when the machine was not
     quiet (quiet_check); then the informational ratios. With the GEMM floors by mode (kind_floor, this run), each
     target also gets its ceiling: the best ratio the modes' GEMMs alone allow (a step is never faster than its GEMMs;
     against a peer: the mode's rate if its step were its GEMMs alone, over the peer's), and a failed target whose
     ceiling is under what it needs says "out of reach with these GEMMs"; the targets against bf16 get the two GEMM
-    floors' ratio, printed only (floor_ratio_vs_bf16)."""
+    floors' ratio, printed only (floor_ratio_vs_bf16). With `paired` (child_gemmajax_paired's rates), a target
+    against bf16 is judged on the median of the in-round ratios (paired_ratio), the best-of-processes ratio printed
+    beside it."""
     ok = {(r["engine"], r["mode"]): r for r in results if "error" not in r and "skipped" not in r}
     s16 = args.streams[-1]
     why = quiet_check(quiet["load_before"], quiet["foreign"])
-    rows: list[tuple] = []  # (what, measured ratio or None if missing, needed, ceiling or None, judged by it?)
+    rows: list[tuple] = []  # (what, measured ratio or None if missing, needed, ceiling or None, judged by it?, note)
 
     def rate(r, s):
         return None if r is None else r.get(f"tok_s_{s}")
@@ -409,9 +469,15 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_flo
     measured = [m for m in MODES if _mode_name(m) in ours]
     for mode in (m for m in MODES if m != "none"):
         for s in (1, s16):
-            rows.append((f"gemmajax {mode} / gemmajax bf16 at {s} stream{'s' if s > 1 else ''}",
-                         ratio(rate(ours.get(mode), s), rate(bf, s)), 1.0, floor_ratio_vs_bf16(kind_floor, mode, s),
-                         False))
+            what = f"gemmajax {mode} / gemmajax bf16 at {s} stream{'s' if s > 1 else ''}"
+            x = ratio(rate(ours.get(mode), s), rate(bf, s))
+            pr = paired_ratio(paired, mode, s)
+            note = ""
+            if pr:
+                note = (f"; paired in one process: median of {len(paired[mode][str(s)])} rounds, "
+                        f"{pr[1]:.2f}-{pr[2]:.2f}; best of the processes {'-' if x is None else f'{x:.2f}x'}")
+                what, x = what + ", paired", pr[0]
+            rows.append((what, x, 1.0, floor_ratio_vs_bf16(kind_floor, mode, s), False, note))
     rows.append((f"gemmajax w4a16+emb4 / {lc_name} at 1 stream", ratio(rate(ours.get("w4a16+emb4"), 1), rate(lc, 1)),
                  1.0, bound(1, rate(lc, 1), ["w4a16+emb4"]), True))
     best1 = max(ours.values(), key=lambda r: r.get("tok_s_1") or 0) if ours else None
@@ -431,13 +497,14 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_flo
            f"quiet machine (load {quiet['load_before']:.2f} before the run, other processes "
            f"{100 * quiet['foreign']:.1f} % of the CPUs): targets judged"]
     passed = 0
-    for what, x, need, ceil, judged in rows:
+    for what, x, need, ceil, judged, *note in rows:
         verdict = "missing" if x is None else "not judged" if why else "PASS" if x >= need else "FAIL"
         passed += verdict == "PASS"
         if verdict == "FAIL" and judged and ceil is not None and ceil < need:
             verdict += ", out of reach with these GEMMs"
         cell = "" if ceil is None else f"; GEMM {'ceiling' if judged else 'floors bf16 / mode'} {ceil:.2f}x"
-        out.append(f"  {what}: {'-' if x is None else f'{x:.2f}x'} (target >= {need:g}x{cell}): {verdict}")
+        out.append(f"  {what}: {'-' if x is None else f'{x:.2f}x'} (target >= {need:g}x{cell}{''.join(note)}): "
+                   f"{verdict}")
     if not why:
         out.append(f"{passed} of {len(rows)} targets pass")
     if bf and floor and s16 in floor and rate(bf, s16):
@@ -483,6 +550,27 @@ def spread(seen: dict[str, list[dict]], args) -> list[str]:
     return out
 
 
+def cpu_description() -> str:
+    """The CPU as /proc/cpuinfo names it, with the matrix features that decide this script's GEMMs (machines of the
+    same kind have been AMD Zen 4 and Intel Xeons with AMX, whose figures differ by 2x both ways)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                k, _, v = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block is enough
+                info.setdefault(k.strip(), v.strip())
+    except OSError:
+        return "unknown CPU"
+    flags = set(info.get("flags", "").split())
+    feats = [name for flag, name in (("avx512_bf16", "AVX-512 bf16"), ("avx512_vnni", "VNNI"),
+                                     ("amx_bf16", "AMX bf16"), ("amx_int8", "AMX int8")) if flag in flags]
+    return (f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} model "
+            f"{info.get('model', '?')}; {', '.join(feats) or 'no AVX-512 bf16 / VNNI / AMX'}), "
+            f"{os.cpu_count()} logical CPUs")
+
+
 def cpu_busy_s() -> float:
     """CPU seconds every process of this machine has used since boot (busy time in /proc/stat, steal included)."""
     with open("/proc/stat") as fh:
@@ -513,6 +601,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per figure (the best is kept)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="passes over all configurations (each figure keeps its best round)")
+    ap.add_argument("--paired-rounds", type=int, default=4,
+                    help="interleaved rounds of the paired child (every gemmajax mode in one process) that the "
+                         "targets against bf16 are judged on; 0: none, judged on the best of the processes")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM floor (bench/gemm_floor.py) measurement")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -533,6 +624,7 @@ def main() -> None:
         json.dump(prompt_ids(max(args.streams), args.prompt_tokens), fh)  # the same token ids for every engine
         args.prompts_file = fh.name
     load0 = os.getloadavg()[0]
+    print(f"CPU: {cpu_description()}", flush=True)
     print(f"load average {load0:.2f} before the run" + (f": not a measurement: load {load0:.2f} (> {QUIET_LOAD}); "
           "running anyway, the targets will not be judged" if load0 > QUIET_LOAD else ""), flush=True)
     busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
@@ -557,18 +649,23 @@ def main() -> None:
             brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
             print(json.dumps(brief), flush=True)
         bw1, bw = max(bw1, (b := measure_bandwidth())[0]), max(bw, b[1])
+    paired = None
+    if "gemmajax" in args.engines and "none" in args.modes and len(args.modes) > 1 and args.paired_rounds > 0:
+        r = spawn("gemmajax-paired:" + ",".join(args.modes), args)
+        print(json.dumps({k: v for k, v in r.items() if k != "paired"}), flush=True)
+        paired = r.get("paired")  # None after a failed child: the targets fall back to the best of the processes
     wall = time.perf_counter() - t0
     foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
-    quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign}
+    quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign, "cpu": cpu_description()}
     results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
-    text = report(results, bw, args, quiet, floor, kind_floor)
+    text = report(results, bw, args, quiet, floor, kind_floor, paired)
     if args.rounds > 1:
         text += "\n" + "\n".join(spread(seen, args))
     print("\n" + text)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bandwidth_gbs": bw, "results": results, "args": vars(args), "quiet": quiet,
-                       "gemm_floor_s": floor, "gemm_floor_by_kind_s": kind_floor}, fh, indent=1)
+                       "gemm_floor_s": floor, "gemm_floor_by_kind_s": kind_floor, "paired": paired}, fh, indent=1)
 
 
 if __name__ == "__main__":

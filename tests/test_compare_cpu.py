@@ -98,3 +98,40 @@ def test_targets_say_which_failures_the_gemm_floors_put_out_of_reach():
     # without the floors by kind the verdicts are the plain ones
     plain = compare_cpu.targets(res, args, quiet, floor16)
     assert not any("ceiling" in ln or "out of reach" in ln for ln in plain)
+
+
+def test_paired_ratio_is_the_median_of_the_in_round_ratios():
+    # bf16 drifts from round to round (the machine's speed); the mode is 10 % faster within every round but slower
+    # than bf16's best round: the best of the processes would read 88/100 = 0.88x, the paired median 1.10x
+    paired = {"bf16": {"1": [100.0, 60.0, 80.0, 70.0], "16": [280.0, 250.0, 260.0, 270.0]},
+              "w8a8": {"1": [110.0, 66.0, 88.0, 77.0], "16": [266.0, 250.0, 273.0, 270.0]},
+              "w4a16": {"1": [90.0, 60.0], "16": [250.0, 250.0]}}
+    med, lo, hi = compare_cpu.paired_ratio(paired, "w8a8", 1)
+    assert abs(med - 1.1) < 1e-12 and abs(lo - 1.1) < 1e-12 and abs(hi - 1.1) < 1e-12
+    # 16: ratios 0.95, 1.0, 1.05, 1.0 -> median of an even count is the mean of the middle two
+    med, lo, hi = compare_cpu.paired_ratio(paired, "w8a8", 16)
+    assert (round(med, 12), round(lo, 12), round(hi, 12)) == (1.0, 0.95, 1.05)
+    assert compare_cpu.paired_ratio(paired, "w4a16", 1) is None  # rounds that do not pair up
+    assert compare_cpu.paired_ratio(paired, "w8a8+emb8", 1) is None and compare_cpu.paired_ratio(None, "w8a8", 1) is None
+    assert abs(compare_cpu.paired_ratio({"bf16": {"1": [50.0, 40.0, 45.0]}, "w4a16": {"1": [45.0, 44.0, 54.0]}},
+                                        "w4a16", 1)[0] - 1.1) < 1e-12  # ratios 0.9, 1.1, 1.2: odd count, the middle
+
+    res = [{"engine": "gemmajax", "mode": "bf16", "tok_s_1": 100.0, "tok_s_16": 280.0, "ttft_s_16": 0.28},
+           {"engine": "gemmajax", "mode": "w8a8", "tok_s_1": 88.0, "tok_s_16": 266.0, "ttft_s_16": 0.29}]
+    args = argparse.Namespace(streams=[1, 16])
+    quiet = {"load_before": 0.1, "load_after": 0.2, "foreign": 0.0}
+    lines = compare_cpu.targets(res, args, quiet, None, None, paired)
+
+    def line(part):
+        hits = [ln for ln in lines if part in ln]
+        assert len(hits) == 1, (part, lines)
+        return hits[0]
+    assert line("w8a8 / gemmajax bf16 at 1 stream") == (
+        "  gemmajax w8a8 / gemmajax bf16 at 1 stream, paired: 1.10x (target >= 1x; paired in one process: median of "
+        "4 rounds, 1.10-1.10; best of the processes 0.88x): PASS")
+    assert line("w8a8 / gemmajax bf16 at 16 streams") == (
+        "  gemmajax w8a8 / gemmajax bf16 at 16 streams, paired: 1.00x (target >= 1x; paired in one process: median "
+        "of 4 rounds, 0.95-1.05; best of the processes 0.95x): PASS")
+    # without the paired figures the verdict is the best of the processes'
+    lines = compare_cpu.targets(res, args, quiet, None)
+    assert line("w8a8 / gemmajax bf16 at 1 stream") == "  gemmajax w8a8 / gemmajax bf16 at 1 stream: 0.88x (target >= 1x): FAIL"
