@@ -207,14 +207,30 @@ def child_transformers(dtype_name: str, prompts, args) -> dict:
 def child_llamacpp(threads: str, prompts, args) -> dict:
     """llama.cpp through llama-cpp-python's low-level loop (eval one token, numpy argmax of its logits), which is
     what llama.cpp's own decode costs: the wrapper's `generate` adds Python sampling work per token (5-7x slower
-    here). threads: "t1" | "t2" | ... (GGML's OpenMP threads spin: on a busy 2-core machine 1 can beat 2)."""
+    here). threads: "t1" | "t2" | ... (GGML's OpenMP threads spin: on a busy 2-core machine 1 can beat 2), with
+    "+norepack" for llama.cpp's plain weight buffers (model param use_extra_bufts off: no repacking of the weights
+    into its AMX / interleaved layouts). The parent retries with it when a child dies of a signal: llama-cpp-python
+    0.3.36 built with GGML_NATIVE=ON segfaulted in its first decode on an Intel Xeon with AMX (2026-12-05), and ran
+    with its extra buffers off."""
     try:
         import llama_cpp
     except ImportError:
         return {"engine": "llama.cpp", "mode": "Q4_K_M", "skipped": "llama-cpp-python is not installed "
                 "(pip install llama-cpp-python builds it from source; about an hour on 2 busy cores)"}
     import numpy as np
+    threads, _, plain = threads.partition("+")
     n_threads = int(threads.lstrip("t") or os.cpu_count() or 1)
+    if plain:
+        if plain != "norepack":
+            raise ValueError(f"llama.cpp config: expected t<threads> or t<threads>+norepack, got {threads}+{plain}")
+        import llama_cpp.llama as llama_module
+        defaults = llama_cpp.llama_model_default_params
+
+        def no_extra_buffers():
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+        llama_module.llama_cpp.llama_model_default_params = no_extra_buffers  # what Llama() builds its params from
     path = args.model_path
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=64, n_threads=n_threads, verbose=False)
@@ -244,7 +260,8 @@ def child_llamacpp(threads: str, prompts, args) -> dict:
 
     kv_tok = 2 * field("gemma3.block_count") * field("gemma3.attention.head_count_kv") * \
         field("gemma3.attention.key_length") * 2
-    return {"engine": "llama.cpp", "mode": f"Q4_K_M, {n_threads} thread{'s' if n_threads > 1 else ''}",
+    return {"engine": "llama.cpp", "mode": f"Q4_K_M, {n_threads} thread{'s' if n_threads > 1 else ''}"
+                                          + (", no weight repacking" if plain else ""),
             "load_s": load, "weight_bytes": weights, "kv_token_bytes": kv_tok, "version": llama_cpp.__version__,
             **res}
 
@@ -644,6 +661,10 @@ def main() -> None:
     for rnd in range(args.rounds):  # configurations alternate, so a busy spell of the machine hits all of them
         for cfg in configs(args):
             r = spawn(cfg, args)
+            if cfg.startswith("llama.cpp:") and "+" not in cfg and r.get("error", "").startswith("child signal"):
+                print(json.dumps(r), flush=True)  # a crash in llama.cpp's repacked weight buffers (child_llamacpp)
+                cfg += "+norepack"
+                r = spawn(cfg, args)
             r["round"] = rnd
             seen.setdefault(cfg, []).append(dict(r))
             brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
