@@ -7,7 +7,11 @@ greedy decoding with EOS ignored; the decode rate is streams x (N - 1) / (t(N ne
 prefill and the first token are excluded, and time to first token is the warm t(1); every configuration runs in
 each of --rounds passes and keeps its best figures (on a shared machine a busy spell otherwise decides). Fraction of bandwidth = bytes
 read per decode step (weights once, plus the KV cache at the mean context) x steps/s / the bandwidth this script
-measures itself (numpy sums over a 1 GB array, one thread per core).
+measures itself (numpy sums over a 1 GB array, one thread per core). The targets against bf16 are judged on a paired
+child instead (--paired-rounds, default 4): every gemmajax mode an engine of one process, timed in interleaved rounds,
+each mode's rate over bf16's taken within a round and the median kept, since the machine's speed drifts over minutes
+and two processes' bests need not share a state. The output starts with the CPU (model and matrix features): the
+same kind of machine has been an AMD EPYC (Zen 4) and an Intel Xeon with AMX, which rank the modes differently.
 
     .venv/bin/python bench/compare_cpu.py                            # everything (about 20-30 min on 2 cores)
     .venv/bin/python bench/compare_cpu.py --engines gemmajax --modes none,w8a8+emb8 --new-tokens 32
