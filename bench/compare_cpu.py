@@ -69,6 +69,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -138,11 +139,15 @@ def decode_figures(run, prompts: list[list[int]], streams: tuple[int, ...], n_ne
         run(batch, 1)
         run(batch, n_new)
         out[f"first_calls_s_{s}"] = time.perf_counter() - t
-        t1 = best_of(lambda b=batch: run(b, 1), reps)
-        tn = best_of(lambda b=batch: run(b, n_new), reps)
-        out[f"ttft_s_{s}"] = t1
-        out[f"tok_s_{s}"] = s * (n_new - 1) / max(tn - t1, 1e-9)
+        out[f"ttft_s_{s}"], out[f"tok_s_{s}"] = decode_rate(run, batch, n_new, reps)
     return out
+
+
+def decode_rate(run, batch: list[list[int]], n_new: int, reps: int) -> tuple[float, float]:
+    """(t(1 new token) s, decode tok/s = streams x (N - 1) / (t(N) - t(1))), each time the best of reps calls."""
+    t1 = best_of(lambda: run(batch, 1), reps)
+    tn = best_of(lambda: run(batch, n_new), reps)
+    return t1, len(batch) * (n_new - 1) / max(tn - t1, 1e-9)
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:
@@ -278,9 +283,7 @@ def child_gemmajax_paired(modes: str, prompts, args) -> dict:
     memory bandwidth with its neighbours' load: 27.5-47.8 GB/s between runs), and two figures a few seconds apart
     share the drift where two processes' bests do not. Returns {"paired": {mode: {streams: [tok/s per round]}}}."""
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    runs = {}
-    for m in names:
-        runs[_mode_name(m)] = gemmajax_runner(m, args)[1]
+    runs = {_mode_name(m): gemmajax_runner(m, args)[1] for m in names}
     streams = tuple(args.streams)
     for run in runs.values():  # compiles and warm-up, untimed
         for s in streams:
@@ -291,9 +294,7 @@ def child_gemmajax_paired(modes: str, prompts, args) -> dict:
     for rnd in range(args.paired_rounds):
         for m in order[rnd % len(order):] + order[:rnd % len(order)]:
             for s in streams:
-                t1 = best_of(lambda r=runs[m], b=prompts[:s]: r(b, 1), 1)
-                tn = best_of(lambda r=runs[m], b=prompts[:s]: r(b, args.new_tokens), 1)
-                rates[m][str(s)].append(s * (args.new_tokens - 1) / max(tn - t1, 1e-9))
+                rates[m][str(s)].append(decode_rate(runs[m], prompts[:s], args.new_tokens, 1)[1])
     return {"engine": "gemmajax-paired", "mode": ",".join(runs), "paired": rates}
 
 
@@ -306,10 +307,11 @@ def paired_ratio(paired: dict | None, mode: str, s: int) -> tuple[float, float, 
     if not a or not b or len(a) != len(b):
         return None
     r = [x / y for x, y in zip(a, b)]
-    return _median(r), min(r), max(r)
+    return statistics.median(r), min(r), max(r)
 
 
-CHILDREN = {"gemmajax": child_gemmajax, "gemmajax-paired": child_gemmajax_paired, "transformers": child_transformers, "llama.cpp": child_llamacpp}
+CHILDREN = {"gemmajax": child_gemmajax, "gemmajax-paired": child_gemmajax_paired, "transformers": child_transformers,
+            "llama.cpp": child_llamacpp}
 
 
 def run_child(args) -> None:
@@ -400,10 +402,10 @@ def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | 
                                                              (mode_floor(kind_floor, m, s) for s in args.streams))
                               for m in MODES)]
     if paired:
-        n = len(next(iter(next(iter(paired.values())).values())))
+        n = len(paired["bf16"][str(args.streams[0])])  # the paired child runs bf16 and every mode each round
         lines += ["", f"paired (every gemmajax mode an engine of one process, {n} interleaved rounds; tok/s at "
                   + " / ".join(str(s) for s in args.streams) + " streams, median of the rounds): "
-                  + "; ".join(f"{m} " + " / ".join(f"{_median(by[str(s)]):.1f}" for s in args.streams)
+                  + "; ".join(f"{m} " + " / ".join(f"{statistics.median(by[str(s)]):.1f}" for s in args.streams)
                               for m, by in paired.items())]
     lines += ["", *targets(results, args, quiet, floor, kind_floor, paired)]
     return "\n".join(lines)
@@ -448,11 +450,6 @@ def quiet_check(load_before: float, foreign: float) -> str | None:
     if foreign > QUIET_FOREIGN:
         why.append(f"other processes used {100 * foreign:.1f} % of the CPUs during it (> {100 * QUIET_FOREIGN:.0f} %)")
     return "; ".join(why) or None
-
-
-def _median(v: list[float]) -> float:
-    r, n = sorted(v), len(v)
-    return r[n // 2] if n % 2 else (r[n // 2 - 1] + r[n // 2]) / 2
 
 
 def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_floor: dict | None = None,
@@ -661,13 +658,16 @@ def main() -> None:
         print("GEMM floor (XLA:CPU) by weight kind, ms (layers, LM head): " + json.dumps(
             {k: {m: [round(1e3 * t, 2) for t in v] for m, v in by.items()} for k, by in kind_floor.items()}),
             flush=True)
+    crashed: dict[str, str] = {}  # llama.cpp configs that died of a signal -> the config run in their place
     seen: dict[str, list[dict]] = {}  # every round's figures (copies): the table's best and the spread come from it
     for rnd in range(args.rounds):  # configurations alternate, so a busy spell of the machine hits all of them
         for cfg in configs(args):
+            cfg = crashed.get(cfg, cfg)
             r = spawn(cfg, args)
             if cfg.startswith("llama.cpp:") and "+" not in cfg and r.get("error", "").startswith("child signal"):
                 print(json.dumps(r), flush=True)  # a crash in llama.cpp's repacked weight buffers (child_llamacpp)
-                cfg += "+norepack"
+                crashed[cfg] = cfg + "+norepack"
+                cfg = crashed[cfg]
                 r = spawn(cfg, args)
             r["round"] = rnd
             seen.setdefault(cfg, []).append(dict(r))
