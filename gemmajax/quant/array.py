@@ -29,6 +29,9 @@ import numpy as np
 KINDS = ("int8", "int4")
 INT8_MAX = 127
 INT4_MIN, INT4_MAX = -8, 7
+# Scale dtypes that hold a 5-significant-bit scale (normal, >= 2**-100) exactly: quantize() marks its int4 weights
+# short_scales for these (float16's range would flush the smallest scales).
+SHORT_SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _FULL_BLOCK_OUT = 4096  # out sizes up to this need no padding: the kernels take them as one block
 
 
@@ -49,6 +52,10 @@ class QuantArray:
     group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group along `in`; 0 for int8
     dtype: Any = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
     act_group: int = dataclasses.field(default=0, metadata={"static": True})  # int8 only; 0 = per token
+    # int4 only: every scale is 0 or a normal number with at most 5 significant bits (quantize() picks its scales
+    # that way), so level * scale is exact in bf16 for every level in -8..7 and bf16(level * scale) needs no
+    # rounding: the CPU forms then skip it (int4_matmul.py). False promises nothing (QAT scales from a checkpoint).
+    short_scales: bool = dataclasses.field(default=False, metadata={"static": True})
     # Set only while a tensor-parallel step is traced (ShardPlan.annotate): a quant.sharded.TPSplit saying how the
     # weight is split, so that linear / gmm run their kernel per shard under shard_map. None everywhere else.
     tp: Any = dataclasses.field(default=None, metadata={"static": True, "runtime": True})
@@ -65,6 +72,9 @@ class QuantArray:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "act_group", int(self.act_group))
+        object.__setattr__(self, "short_scales", bool(self.short_scales))
+        if self.short_scales and self.kind != "int4":
+            raise ValueError(f"QuantArray {self.kind} {self.shape}: short_scales applies to int4 only")
         if self.act_group and (self.kind != "int8" or self.act_group < 0 or self.act_group % 32):
             raise ValueError(f"QuantArray {self.kind} {self.shape}: act_group must be 0 or (int8 only) a positive "
                              f"multiple of 32, got {self.act_group}")
@@ -126,6 +136,7 @@ class QuantArray:
     def __repr__(self) -> str:
         g = f", group={self.group}" if self.kind == "int4" else ""
         g += f", act_group={self.act_group}" if self.act_group else ""
+        g += ", short_scales" if self.short_scales else ""
         return (f"QuantArray({self.kind}, shape={self.shape}{g}, dtype={self.dtype.name}, "
                 f"values={getattr(self.values, 'dtype', '?')}{tuple(self.values.shape)}, "
                 f"scale={getattr(self.scale, 'dtype', '?')}{tuple(self.scale.shape)})")
@@ -133,14 +144,16 @@ class QuantArray:
     # --- constructors -------------------------------------------------------------------------------------------
     @classmethod
     def abstract(cls, shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, scale_dtype=None,
-                 sharding=None, pad_in_to: int | None = None, act_group: int = 0) -> QuantArray:
-        """The QuantArray of jax.ShapeDtypeStruct that `quantize(w, kind, ...)` would give for a weight of `shape`.
+                 sharding=None, pad_in_to: int | None = None, act_group: int = 0,
+                 short_scales: bool | None = None) -> QuantArray:
+        """The QuantArray of jax.ShapeDtypeStruct that `quantize(w, kind, ...)` would give for a weight of `shape`
+        (short_scales: None = what quantize() gives).
 
         For jax.eval_shape, deviceless TPU AOT compiles and loaders: no memory is touched. `sharding` (optional)
         is attached to both children.
         """
         return abstract_quant(shape, kind, group=group, dtype=dtype, scale_dtype=scale_dtype, sharding=sharding,
-                              pad_in_to=pad_in_to, act_group=act_group)
+                              pad_in_to=pad_in_to, act_group=act_group, short_scales=short_scales)
 
 
 jax.tree_util.register_dataclass(QuantArray)
@@ -168,9 +181,10 @@ def padded_in(inp: int, kind: str, group: int = 32, pad_in_to: int | None = None
 
 
 def abstract_quant(shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, scale_dtype=None, sharding=None,
-                   pad_in_to: int | None = None, act_group: int = 0) -> QuantArray:
+                   pad_in_to: int | None = None, act_group: int = 0, short_scales: bool | None = None) -> QuantArray:
     """Shapes-only QuantArray for a logical weight `shape` [..., out, in] (see QuantArray.abstract).
-    act_group: int8 only (0 = per-token activation scales)."""
+    act_group: int8 only (0 = per-token activation scales). short_scales: int4 only; None = what quantize() gives
+    for this scale dtype (SHORT_SCALE_DTYPES)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     *lead, out, inp = (int(d) for d in shape)
@@ -182,7 +196,9 @@ def abstract_quant(shape, kind: str, *, group: int = 32, dtype=jnp.bfloat16, sca
     else:
         vals = jax.ShapeDtypeStruct((*lead, out_p, in_p // 2), jnp.uint8, sharding=sharding)
         sc = jax.ShapeDtypeStruct((*lead, out_p, in_p // group), scale_dtype or jnp.bfloat16, sharding=sharding)
-    return QuantArray(vals, sc, kind, (*lead, out, inp), group, jnp.dtype(dtype), act_group)
+    if short_scales is None:
+        short_scales = kind == "int4" and jnp.dtype(sc.dtype) in SHORT_SCALE_DTYPES
+    return QuantArray(vals, sc, kind, (*lead, out, inp), group, jnp.dtype(dtype), act_group, short_scales)
 
 
 # --- int4 packing ---------------------------------------------------------------------------------------------------

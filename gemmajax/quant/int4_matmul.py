@@ -316,11 +316,18 @@ def _levels(v: jax.Array) -> jax.Array:
     return b - jnp.float32(2.0 ** 23 + 8.0)
 
 
-def _half_weight(v: jax.Array, s: jax.Array, group: int) -> jax.Array:
-    """Biased nibbles uint8 [N, H] and their scales [N, H // group] -> float32 [N, H] holding bf16(level * s)."""
+def _half_weight(v: jax.Array, s: jax.Array, group: int, short: bool = False) -> jax.Array:
+    """Biased nibbles uint8 [N, H] and their scales [N, H // group] -> float32 [N, H] holding bf16(level * s).
+
+    short (QuantArray.short_scales): level * s is already a bf16 number, so no rounding: the nibble converted and
+    one multiply-add, nibble * s - 8 * s (each product exact, the sum exact: it is level * s). Else the rounding:
+    Veltkamp's split for bf16 scales, integer rounding for float32 ones."""
     n, h = v.shape
-    q = _levels(v).reshape(n, h // group, group)
     sf = s.astype(jnp.float32)[:, :, None]
+    if short:
+        nib = v.astype(jnp.int32).astype(jnp.float32).reshape(n, h // group, group)
+        return (nib * sf + (-8.0 * sf)).reshape(n, h)
+    q = _levels(v).reshape(n, h // group, group)
     w = _split_bf16(q, sf) if s.dtype == jnp.bfloat16 else _round_bf16(q * sf)
     return w.reshape(n, h)
 
@@ -334,14 +341,15 @@ def _live(w: QuantArray) -> tuple[int, int]:
     return min(live, h), max(live - h, 0)
 
 
-def _halves(v: jax.Array, s: jax.Array, group: int, live: tuple[int, int]) -> tuple[jax.Array, jax.Array | None]:
+def _halves(v: jax.Array, s: jax.Array, group: int, live: tuple[int, int], short: bool = False
+            ) -> tuple[jax.Array, jax.Array | None]:
     """Packed rows uint8 [N, H] and scales [N, 2H // group] -> the float32 weights of the low nibbles' first live[0]
     columns and the high nibbles' first live[1] ([N, live[i]]; None for an empty half). Two arrays, never one
     [N, 2H]: a concatenate in an XLA:CPU loop fusion is emitted element by element (a 640-wide dequantization ran
     35x slower with one)."""
     g2 = s.shape[-1] // 2
-    lo = _half_weight(v[:, :live[0]] & 15, s[:, :live[0] // group], group)
-    hi = _half_weight(v[:, :live[1]] >> 4, s[:, g2:g2 + live[1] // group], group) if live[1] else None
+    lo = _half_weight(v[:, :live[0]] & 15, s[:, :live[0] // group], group, short)
+    hi = _half_weight(v[:, :live[1]] >> 4, s[:, g2:g2 + live[1] // group], group, short) if live[1] else None
     return lo, hi
 
 
@@ -368,7 +376,7 @@ def _one_row(x1: jax.Array, w: QuantArray, separate: bool) -> jax.Array:
     v, s = w.values, w.scale
     if separate:
         x1, v, s = lax.optimization_barrier((x1, v, s))
-    lo, hi = _halves(v, s, w.group, (l0, l1))
+    lo, hi = _halves(v, s, w.group, (l0, l1), w.short_scales)
     y = jnp.dot(x1[:, :l0], lo.T)
     if hi is None:
         return y
@@ -380,12 +388,13 @@ _TILE = 2048  # weight rows per tile of the GEMM forms: a bf16 tile of in 640 is
 _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 
 
-def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: tuple[int, int]) -> jax.Array:
+def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: tuple[int, int],
+                  short: bool = False) -> jax.Array:
     """x2 [M, in_p] (bf16 or float32) times one tile of packed rows v [C, in_p / 2] (scales s) -> f32 [M, C]: the
     tile's two halves dequantized (bf16(level * scale), in x2's dtype: exact) and one GEMM per half, XLA:CPU's
     YNNPACK GEMM (native bf16 x bf16 -> f32 for bf16 x; float32 at HIGHEST for float32 x)."""
     h = v.shape[1]
-    lo, hi = _halves(v, s, group, live)
+    lo, hi = _halves(v, s, group, live, short)
     prec = None if x2.dtype == jnp.bfloat16 else lax.Precision.HIGHEST
 
     def gemm(xs, wh):
@@ -411,14 +420,14 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
     640 x 262,144 LM head at M = 16 (AVX-512 Xeon, quiet, 512-bit vectors): 48 ms one tile at a time with the convert
     after the loop, 36 ms this way."""
     n, m = w.padded_out, x2.shape[0]
-    v, s, g, live = w.values, w.scale, w.group, _live(w)
+    v, s, g, live, short = w.values, w.scale, w.group, _live(w), w.short_scales
     step = tile * concurrent
     full = n // step
     bf = jnp.dtype(out_dtype) == jnp.bfloat16
     if not bf and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"_tiles: out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
     if n // tile <= 1:  # `after`: dequantized beside its GEMM, not hoisted (int8_matmul.after)
-        return _tile_product(x2, after(x2, v), s, g, live).astype(out_dtype)
+        return _tile_product(x2, after(x2, v), s, g, live, short).astype(out_dtype)
     if full < 2:  # concurrency only where the loop runs at least twice: a weight of fewer than 2 x `concurrent`
         step, full = tile, n // tile  # tiles goes tile by tile (else most of its dequantized copy is live at once)
 
@@ -435,14 +444,14 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
             vi = lax.dynamic_slice_in_dim(v, r0, tile, 0)
             si = lax.dynamic_slice_in_dim(s_in, r0, tile, 0)
             si = lax.bitcast_convert_type(si, jnp.bfloat16) if bits else si
-            parts.append(_tile_product(x2, vi, si, g, live))
+            parts.append(_tile_product(x2, vi, si, g, live, short))
         part = jnp.concatenate(parts, 1) if len(parts) > 1 else parts[0]
         return lax.dynamic_update_slice_in_dim(y, _cast(part), i * step, 1)
 
     y = lax.fori_loop(0, full, body, jnp.zeros((m, n), jnp.uint16 if bf else out_dtype))
     done = full * step
     for r0 in range(done, n, tile):  # at most concurrent - 1 whole tiles and a partial one, independent
-        tail = _tile_product(x2, after(x2, v[r0:r0 + tile]), s[r0:r0 + tile], g, live)
+        tail = _tile_product(x2, after(x2, v[r0:r0 + tile]), s[r0:r0 + tile], g, live, short)
         y = lax.dynamic_update_slice_in_dim(y, _cast(tail), r0, 1)
     return lax.bitcast_convert_type(y, jnp.bfloat16) if bf else y
 

@@ -1,7 +1,7 @@
 """Round-to-nearest quantization, dequantization, vocabulary tables and the `quant` scheme strings.
 
 Design choices: quantization is symmetric round-to-nearest with no calibration data (int8 per output row, int4
-per group of 32 along `in`); vocabulary tables are ordinary QuantArrays [V, D] with per-row (int8) or
+per group of 32 along `in`, its scale searched among short candidates: `int4_scales`); vocabulary tables are ordinary QuantArrays [V, D] with per-row (int8) or
 per-row-per-group (int4) scales, so the embedding gather and the tied LM head share one packed copy; the scheme
 string ("w8a8+emb4", ...) is parsed once into a frozen QuantScheme that the loaders consult.
 """
@@ -11,12 +11,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gemmajax.quant.array import (
     INT4_MAX,
     INT4_MIN,
     INT8_MAX,
     KINDS,
+    SHORT_SCALE_DTYPES,
     QuantArray,
     group_scales,
     pack_int4,
@@ -24,6 +26,42 @@ from gemmajax.quant.array import (
     padded_out,
     unpack_int4,
 )
+
+
+_SHORT_MASK = 0xFFF80000  # float32 bits of a 5-significant-bit number: sign, exponent, 4 explicit mantissa bits
+_SHORT_ULP = 1 << 19  # one unit in the 4th explicit mantissa bit
+_SHORT_MIN = 2.0 ** -100  # smaller groups quantize to zero (|w| < 7 * 2**-100): every scale stays a normal bf16
+INT4_SCALE_CANDIDATES = 8
+
+
+@jax.jit
+def int4_scales(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Groups g float32 [..., G, group] -> (scales float32 [..., G], levels float32 [..., G, group] in -8..7).
+
+    Each scale has at most 5 significant bits (QuantArray.short_scales: level * scale is then exact in bf16, so no
+    path rounds the product and the CPU forms skip that work), chosen per group as the one of INT4_SCALE_CANDIDATES
+    that gives the least squared error: max|g| / 7 rounded up to 5 bits, then each next-lower 5-bit number (steps
+    of 3-6 %, down to about 0.65-0.8 of it), levels round-to-nearest clipped to -8..7 (a smaller scale clips the
+    group's largest weights and rounds the rest finer). The first candidate alone never clips; the search keeps it
+    unless another is better for that group. A group with max|g| < 7 * 2**-100 gets scale 0 and levels 0."""
+    s0 = jnp.max(jnp.abs(g), axis=-1) / INT4_MAX
+    bits = lax.bitcast_convert_type(s0, jnp.uint32)
+    top = (bits + jnp.uint32(_SHORT_ULP - 1)) & jnp.uint32(_SHORT_MASK)  # s0 rounded up to 5 significant bits
+    floor = lax.bitcast_convert_type(jnp.float32(_SHORT_MIN), jnp.uint32)
+    best_s = best_err = None
+    for k in range(INT4_SCALE_CANDIDATES):
+        c = lax.bitcast_convert_type(jnp.maximum(top - jnp.uint32(k * _SHORT_ULP), floor), jnp.float32)
+        c = jnp.where(s0 >= _SHORT_MIN, c, 0.0)
+        cc = c[..., None]
+        q = jnp.clip(jnp.round(g / jnp.where(cc == 0, 1, cc)), INT4_MIN, INT4_MAX)
+        err = jnp.sum(jnp.square(g - q * cc), axis=-1)
+        if best_s is None:
+            best_s, best_err = c, err
+        else:
+            take = err < best_err
+            best_s, best_err = jnp.where(take, c, best_s), jnp.where(take, err, best_err)
+    sf = best_s[..., None]
+    return best_s, jnp.clip(jnp.round(g / jnp.where(sf == 0, 1, sf)), INT4_MIN, INT4_MAX)
 
 
 def _pad_to(w: jax.Array, out_p: int, in_p: int) -> jax.Array:
@@ -47,8 +85,10 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
 
     int8: scale = max|w_row| / 127 per output row (float32 unless scale_dtype says otherwise; the levels are
     derived from the stored, rounded scale), levels -127..127.
-    int4: scale = max|w_group| / 7 per group of `group` columns (bfloat16 by default), levels -7..7 (the packer
-    and kernels accept -8, which QAT grids use; round-to-nearest never needs it).
+    int4: one scale per group of `group` columns (bfloat16 by default), searched by `int4_scales` (5 significant
+    bits, the least squared error of the group), levels -8..7. A scale dtype of SHORT_SCALE_DTYPES holds those
+    scales exactly (the QuantArray is marked short_scales); another (float16) has its levels derived from the
+    stored, rounded scale, unmarked.
     pad_in_to: pad `in` to a multiple of this (tables: 128 int8 / 256 int4, i.e. 128-byte rows).
     act_group: int8 only, static: the w8a8 matmul quantizes activations per token per act_group input columns
     (a multiple of 32 dividing the padded `in`; 0 = one scale per token). The weight itself is the same.
@@ -72,10 +112,14 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
         q = jnp.clip(jnp.round(wf / jnp.where(sf == 0, 1, sf)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         return QuantArray(q, s, "int8", shape, 0, dtype, act_group)
     g = wf.reshape(*wf.shape[:-1], in_p // group, group)
-    s = (jnp.max(jnp.abs(g), axis=-1) / INT4_MAX).astype(scale_dtype or jnp.bfloat16)
-    sf = s.astype(jnp.float32)[..., None]
-    q = jnp.clip(jnp.round(g / jnp.where(sf == 0, 1, sf)), INT4_MIN, INT4_MAX).reshape(wf.shape)
-    return QuantArray(pack_int4(q), s, "int4", shape, group, dtype)
+    s32, q = int4_scales(g)
+    sdt = jnp.dtype(scale_dtype or jnp.bfloat16)
+    s = s32.astype(sdt)
+    short = sdt in SHORT_SCALE_DTYPES
+    if not short:  # a dtype that may not hold the scale: levels from the stored one
+        sf = s.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round(g / jnp.where(sf == 0, 1, sf)), INT4_MIN, INT4_MAX)
+    return QuantArray(pack_int4(q.reshape(wf.shape)), s, "int4", shape, group, dtype, short_scales=short)
 
 
 def dequantize(q: QuantArray, dtype=None) -> jax.Array:

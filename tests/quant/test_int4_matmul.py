@@ -129,6 +129,45 @@ def test_split_rounds_every_level_and_mantissa_like_dequantize():
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"scale dtype {sc.dtype}"
 
 
+def test_short_scales_form_equals_the_rounding_form():
+    """QuantArray.short_scales lets the CPU forms skip the bf16 rounding (_half_weight short=True: one multiply-add
+    on the biased nibble). Bit for bit the same weights as the rounding path (and as dequantize()'s
+    bf16(level * scale)) for every level -8..7, every 5-significant-bit mantissa, exponents 2**-100..2**100,
+    both signs, bf16 and float32 scales (and a zero scale)."""
+    from gemmajax.quant.int4_matmul import _half_weight
+    mant = np.arange(16, dtype=np.uint32) << 19
+    exps = np.array([27, 60, 100, 127, 150, 200, 227], np.uint32) << 23  # 2**-100 .. 2**100
+    sbits = (exps[:, None] | mant[None, :]).reshape(-1)
+    sbits = np.concatenate([sbits, sbits | np.uint32(1 << 31), [0]]).astype(np.uint32)  # negative scales, zero
+    scales = sbits.view(np.float32)
+    levels = np.tile(np.arange(-8, 8, dtype=np.int32), (scales.size, 2))
+    v = jnp.asarray((levels + 8).astype(np.uint8))
+    want = (levels.astype(np.float32) * scales[:, None]).astype(jnp.bfloat16).astype(np.float32)
+    for sc in (jnp.asarray(scales, jnp.bfloat16)[:, None], jnp.asarray(scales)[:, None]):
+        fast = np.asarray(jax.jit(_half_weight, static_argnums=(2, 3))(v, sc, 32, True))
+        slow = np.asarray(jax.jit(_half_weight, static_argnums=(2, 3))(v, sc, 32, False))
+        nz = want != 0  # a zero scale gives +0 for every level here, -0 for negative levels there: the same sums
+        assert np.array_equal(fast, want) and np.array_equal(fast[nz].view(np.uint32), want[nz].view(np.uint32))
+        assert np.array_equal(slow.view(np.uint32), want.view(np.uint32)), f"scale dtype {sc.dtype}"
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_cpu_forms_equal_the_reference_with_and_without_short_scales(short):
+    """quantize()'s weights are short_scales; QAT repacks and older checkpoints are not: both kinds through every CPU
+    form (one row, 3 rows, 16 rows; bf16 and float32 x) give the reference's values."""
+    x, q = _data(16, 640, 1536, seed=61, xdtype=jnp.bfloat16)
+    assert q.short_scales
+    q = q if short else dataclasses.replace(q, short_scales=False)
+    for xd in (jnp.bfloat16, jnp.float32):
+        xx = x.astype(xd)
+        ref = np.asarray(int4_matmul_ref(xx, q).astype(jnp.float32))
+        for form in ("rows", "tiles"):
+            for m in (1, 3, 16):
+                y = jax.jit(lambda a, w, f=form: int4_matmul_xla(a, w, form=f))(xx[:m], q)
+                np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref[:m], rtol=8e-3 if xd == jnp.bfloat16
+                                           else 1e-5, atol=4e-3 if xd == jnp.bfloat16 else 1e-4, err_msg=form)
+
+
 @pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
 def test_tiles_loop_and_tail(xdtype):
     """n = 2 tiles of 2,048 rows + a tail of 384 (the loop, its in-place writes and the tail after it), m = 16."""
