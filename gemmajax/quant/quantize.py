@@ -27,7 +27,6 @@ from gemmajax.quant.array import (
     unpack_int4,
 )
 
-
 _SHORT_MASK = 0xFFF80000  # float32 bits of a 5-significant-bit number: sign, exponent, 4 explicit mantissa bits
 _SHORT_ULP = 1 << 19  # one unit in the 4th explicit mantissa bit
 _SHORT_MIN = 2.0 ** -100  # smaller groups quantize to zero (|w| < 7 * 2**-100): every scale stays a normal bf16
