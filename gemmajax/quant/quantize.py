@@ -1,8 +1,8 @@
 """Round-to-nearest quantization, dequantization, vocabulary tables and the `quant` scheme strings.
 
 Design choices: quantization is symmetric round-to-nearest with no calibration data (int8 per output row, int4
-per group of 32 along `in`, its scale searched among short candidates: `int4_scales`); vocabulary tables are ordinary QuantArrays [V, D] with per-row (int8) or
-per-row-per-group (int4) scales, so the embedding gather and the tied LM head share one packed copy; the scheme
+per group of 32 along `in`, its scale searched among short candidates: `int4_scales`); vocabulary tables are
+ordinary QuantArrays [V, D] with per-row (int8) or per-row-per-group (int4) scales, so the embedding gather and the tied LM head share one packed copy; the scheme
 string ("w8a8+emb4", ...) is parsed once into a frozen QuantScheme that the loaders consult.
 """
 from __future__ import annotations
@@ -33,6 +33,12 @@ _SHORT_MIN = 2.0 ** -100  # smaller groups quantize to zero (|w| < 7 * 2**-100):
 INT4_SCALE_CANDIDATES = 8
 
 
+def _int4_levels(g: jax.Array, c: jax.Array) -> jax.Array:
+    """Groups g float32 [..., G, group] and a scale per group c [..., G, 1] -> levels round(g / c) clipped to -8..7
+    (float32; a zero scale gives levels 0)."""
+    return jnp.clip(jnp.round(g / jnp.where(c == 0, 1, c)), INT4_MIN, INT4_MAX)
+
+
 @jax.jit
 def int4_scales(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Groups g float32 [..., G, group] -> (scales float32 [..., G], levels float32 [..., G, group] in -8..7).
@@ -52,15 +58,14 @@ def int4_scales(g: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = lax.bitcast_convert_type(jnp.maximum(top - jnp.uint32(k * _SHORT_ULP), floor), jnp.float32)
         c = jnp.where(s0 >= _SHORT_MIN, c, 0.0)
         cc = c[..., None]
-        q = jnp.clip(jnp.round(g / jnp.where(cc == 0, 1, cc)), INT4_MIN, INT4_MAX)
+        q = _int4_levels(g, cc)
         err = jnp.sum(jnp.square(g - q * cc), axis=-1)
         if best_s is None:
             best_s, best_err = c, err
         else:
             take = err < best_err
             best_s, best_err = jnp.where(take, c, best_s), jnp.where(take, err, best_err)
-    sf = best_s[..., None]
-    return best_s, jnp.clip(jnp.round(g / jnp.where(sf == 0, 1, sf)), INT4_MIN, INT4_MAX)
+    return best_s, _int4_levels(g, best_s[..., None])
 
 
 def _pad_to(w: jax.Array, out_p: int, in_p: int) -> jax.Array:
@@ -116,8 +121,7 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
     s = s32.astype(sdt)
     short = sdt in SHORT_SCALE_DTYPES
     if not short:  # a dtype that may not hold the scale: levels from the stored one
-        sf = s.astype(jnp.float32)[..., None]
-        q = jnp.clip(jnp.round(g / jnp.where(sf == 0, 1, sf)), INT4_MIN, INT4_MAX)
+        q = _int4_levels(g, s.astype(jnp.float32)[..., None])
     return QuantArray(pack_int4(q.reshape(wf.shape)), s, "int4", shape, group, dtype, short_scales=short)
 
 
