@@ -8,6 +8,7 @@ string ("w8a8+emb4", ...) is parsed once into a frozen QuantScheme that the load
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -109,20 +110,43 @@ def quantize(w: jax.Array, kind: str, group: int = 32, *, scale_dtype=None, pad_
         raise ValueError(f"quantize: act_group applies to int8 (w8a8) only, got act_group={act_group} for {kind}")
     shape, dtype = tuple(w.shape), w.dtype
     in_p = padded_in(shape[-1], kind, group, pad_in_to)
-    wf = _pad_to(w.astype(jnp.float32), padded_out(shape[-2]), in_p)
+    out_p = padded_out(shape[-2])
+    sdt = jnp.dtype(scale_dtype or (jnp.float32 if kind == "int8" else jnp.bfloat16))
+    rows = _pad_to(w, out_p, shape[-1]).reshape(-1, shape[-1])
+    step = rows.shape[0] if isinstance(w, jax.core.Tracer) else _chunk_rows(in_p)
+    parts = [_quantize_rows(rows[i:i + step], kind, in_p, group, sdt) for i in range(0, max(rows.shape[0], 1), step)]
+    vals, s = (jnp.concatenate(p, axis=0) if len(parts) > 1 else p[0] for p in zip(*parts))
+    vals, s = vals.reshape(*shape[:-2], out_p, -1), s.reshape(*shape[:-2], out_p, -1)
     if kind == "int8":
-        s = (jnp.max(jnp.abs(wf), axis=-1) / INT8_MAX).astype(scale_dtype or jnp.float32)
-        sf = s.astype(jnp.float32)[..., None]
-        q = jnp.clip(jnp.round(wf / jnp.where(sf == 0, 1, sf)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-        return QuantArray(q, s, "int8", shape, 0, dtype, act_group)
-    g = wf.reshape(*wf.shape[:-1], in_p // group, group)
+        return QuantArray(vals, s[..., 0], "int8", shape, 0, dtype, act_group)
+    return QuantArray(vals, s, "int4", shape, group, dtype, short_scales=sdt in SHORT_SCALE_DTYPES)
+
+
+QUANTIZE_CHUNK = 1 << 22  # elements a quantize() call handles at once: its float32 temporaries stay ~16 MiB each
+
+
+def _chunk_rows(in_p: int) -> int:
+    """Rows per quantize() chunk: a power of two (few distinct shapes to compile) of at most QUANTIZE_CHUNK
+    elements, at least one row."""
+    return 1 << max(0, (QUANTIZE_CHUNK // in_p).bit_length() - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "in_p", "group", "sdt"))
+def _quantize_rows(w: jax.Array, kind: str, in_p: int, group: int, sdt) -> tuple[jax.Array, jax.Array]:
+    """Rows w [R, in] (any float dtype) -> (values [R, in_p] int8 or [R, in_p // 2] packed uint8, scales [R, 1]
+    int8 or [R, in_p // group] int4, in sdt). quantize() calls it on row chunks, so that the whole weight is never
+    held in float32 nor searched at once (the int4 search's temporaries for a 262,144 x 640 table took 6 GB)."""
+    wf = _pad_to(w.astype(jnp.float32), w.shape[0], in_p)
+    if kind == "int8":
+        s = (jnp.max(jnp.abs(wf), axis=-1, keepdims=True) / INT8_MAX).astype(sdt)
+        sf = s.astype(jnp.float32)
+        return jnp.clip(jnp.round(wf / jnp.where(sf == 0, 1, sf)), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
+    g = wf.reshape(w.shape[0], in_p // group, group)
     s32, q = int4_scales(g)
-    sdt = jnp.dtype(scale_dtype or jnp.bfloat16)
     s = s32.astype(sdt)
-    short = sdt in SHORT_SCALE_DTYPES
-    if not short:  # a dtype that may not hold the scale: levels from the stored one
+    if sdt not in SHORT_SCALE_DTYPES:  # a dtype that may not hold the scale: levels from the stored one
         q = _int4_levels(g, s.astype(jnp.float32)[..., None])
-    return QuantArray(pack_int4(q.reshape(wf.shape)), s, "int4", shape, group, dtype, short_scales=short)
+    return pack_int4(q.reshape(wf.shape)), s
 
 
 def dequantize(q: QuantArray, dtype=None) -> jax.Array:
