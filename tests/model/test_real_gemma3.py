@@ -71,9 +71,12 @@ def _log_softmax(x):
 # (gap <= 0.59 nats: float32 itself gave the chosen token >= 55% of its top token's probability); weight-only int8
 # reaches 97.3% on the first 111 tokens, so the rest is activation rounding at near-ties. The 95% bar is
 # met on the first 111 tokens (95.5%) but not on all 240; the gap bar is what says "only near-ties flip".
-# w4a16: 69% / KL 0.46. The 270M's weights are themselves Q4_K_M (asymmetric 4-bit with 6-bit sub-scales) and a
-# symmetric int4 grid cannot represent them, so w4a16 re-quantization loses much more here than on bf16 weights.
-QUANT_BARS = {"w8a8": (0.93, 0.02, 1.0), "w4a16": (0.6, 0.6, None)}
+# w4a16 (int4 scales searched on a 5-bit grid, quantize.int4_scales): 72.5% / KL 0.32, and with the int4 table
+# (w4a16+emb4) 67.1% / KL 0.46; the former plain max|g| / 7 scales gave 69.2% / 0.46 and 65.0% / 0.62
+# (bench/int4_scales_kl.py, 2026-12-05), which these bars reject. The 270M's weights are themselves Q4_K_M
+# (asymmetric 4-bit with 6-bit sub-scales) and a symmetric int4 grid cannot represent them, so w4a16
+# re-quantization loses much more here than on bf16 weights.
+QUANT_BARS = {"w8a8": (0.93, 0.02, 1.0), "w4a16": (0.7, 0.4, None), "w4a16+emb4": (0.66, 0.55, None)}
 
 
 @pytest.mark.parametrize("quant", list(QUANT_BARS))
