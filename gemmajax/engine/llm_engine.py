@@ -19,6 +19,7 @@ import numpy as np
 from gemmajax.config import ModelConfig
 from gemmajax.engine import media_inputs
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
+from gemmajax.engine.cpu_malloc import keep_freed_memory
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
     pow2_buckets, stack_layers, step_shapes, token_buckets
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step
@@ -139,6 +140,8 @@ class LLMEngine:
             raise ValueError("EngineConfig.stack_layers=True with a parallel plan: the plan shards the weights by "
                              "their per-layer names, which a stacked tree does not have; leave stack_layers None "
                              "(off with a plan) or set it False")
+        if jax.default_backend() == "cpu":
+            keep_freed_memory()  # steady step times: the step's temporaries are not page-faulted in every step
         self.model_config = cfg
         self.mm_config, self.mm_weights = multimodal if multimodal is not None else (None, None)
         config = dataclasses.replace(config, kv_dtype=resolve_auto(config.kv_dtype, gemma.compute_dtype(weights)))
