@@ -2,8 +2,8 @@
 the single-pass and cache-tiled forms tried for it, and what the GEMV costs by what it computes per weight.
 
 Design choices: every form is checked against int4_matmul_ref before it is timed (a fast wrong form is no result);
-each form's --reps calls back to back, twice, the min kept, in one process. The table is random (the head's cost does not depend
-on its values). Why "rows" reads the packed bytes twice: XLA:CPU fuses a one-row dot over an elementwise operand
+each form's --reps calls back to back, twice, the min kept, in one process. The table is random (the head's cost
+does not depend on its values). Why "rows" reads the packed bytes twice: XLA:CPU fuses a one-row dot over an elementwise operand
 into one loop that computes one weight per element of that operand, so a byte's two nibbles need two operands
 (two passes); each form below tries to get both from one pass.
 
@@ -17,6 +17,7 @@ was also tried (integer subtract, or-bits as in _levels, signed bytes), in anoth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import time
@@ -43,9 +44,18 @@ def forms_for(q4, q8, w) -> dict:
     g = q4.group
     v, s = q4.values, q4.scale
 
+    def padded_x(x):  # float32 [1, 2h]: x padded to the table's stored width
+        return materialize(jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 2 * h - x.shape[1]))))
+
     def halves_x(x):
-        xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 2 * h - x.shape[1])))
+        xp = padded_x(x)
         return xp[:, :h], xp[:, h:]
+
+    def scaled_levels(v, s):  # float32 [V, h/g, g] each: the low and the high nibbles' level x scale
+        sf = s.astype(jnp.float32)
+        lo = ((v & 15).astype(jnp.float32) - 8.0).reshape(V, h // g, g) * sf[:, :h // g, None]
+        hi = ((v >> 4).astype(jnp.float32) - 8.0).reshape(V, h // g, g) * sf[:, h // g:, None]
+        return lo, hi
 
     def interleaved(x, v, s):  # one [V, 2h] operand: element 2j + b is nibble b of byte j (select on the parity)
         xl, xh = halves_x(x)
@@ -59,21 +69,17 @@ def forms_for(q4, q8, w) -> dict:
 
     def complex_form(x, v, s):  # Re((x_lo + i x_hi) . (w_lo - i w_hi)) = x_lo . w_lo + x_hi . w_hi
         xl, xh = halves_x(x)
-        sf = s.astype(jnp.float32)
-        lo = ((v & 15).astype(jnp.float32) - 8.0).reshape(V, h // g, g) * sf[:, :h // g, None]
-        hi = ((v >> 4).astype(jnp.float32) - 8.0).reshape(V, h // g, g) * sf[:, h // g:, None]
+        lo, hi = scaled_levels(v, s)
         wc = lax.complex(lo, -hi).reshape(V, h)
         return jnp.real(jnp.dot(materialize(lax.complex(xl, xh)), wc.T))
 
     def reduce_form(x, v, s):  # both nibbles in one elementwise expression, summed by a reduction
         xl, xh = halves_x(x)
-        sf = s.astype(jnp.float32)
-        lo = ((v & 15).astype(jnp.float32) - 8.0).reshape(V, h // g, g) * sf[:, :h // g, None]
-        hi = ((v >> 4).astype(jnp.float32) - 8.0).reshape(V, h // g, g) * sf[:, h // g:, None]
+        lo, hi = scaled_levels(v, s)
         return jnp.sum(xl.reshape(1, h // g, g) * lo + xh.reshape(1, h // g, g) * hi, axis=(1, 2))[None]
 
     def tiled(x, v, s):  # "rows" on tiles, so that the high nibbles' pass reads the tile from cache
-        xf = materialize(jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 2 * h - x.shape[1]))))
+        xf = padded_x(x)
         s16 = lax.bitcast_convert_type(s, jnp.uint16)
 
         def body(i, y):
@@ -88,7 +94,7 @@ def forms_for(q4, q8, w) -> dict:
         return jnp.dot(materialize(x.astype(jnp.float32)[:, :l0]), (v[:, :l0] & 15).astype(jnp.float32).T)
 
     def both_passes_no_scale(x, v, s):
-        xf = materialize(jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 2 * h - x.shape[1]))))
+        xf = padded_x(x)
         a = jnp.dot(xf[:, :l0], (v[:, :l0] & 15).astype(jnp.float32).T)
         a, b = lax.optimization_barrier((a, jnp.dot(xf[:, h:h + l1], (v[:, :l1] >> 4).astype(jnp.float32).T)))
         return a + b
@@ -101,7 +107,7 @@ def forms_for(q4, q8, w) -> dict:
         return jnp.dot(materialize(x.astype(jnp.float32)), wf.T)
 
     return {
-        "rows (today)": (lambda x, v, s: M.int4_matmul_xla(x, dataclass_like(q4, v, s), form="rows"), (v, s), True),
+        "rows (today)": (lambda x, v, s: M.int4_matmul_xla(x, dataclasses.replace(q4, values=v, scale=s), form="rows"), (v, s), True),
         "interleaved": (interleaved, (v, s), True),
         "complex": (complex_form, (v, s), True),
         "reduce": (reduce_form, (v, s), True),
@@ -129,11 +135,6 @@ def checked(forms: dict, x, q4) -> dict:
                 raise ValueError(f"{name}: max error {err:.4g} against int4_matmul_ref (tolerance {tol:.3g})")
         jitted[name] = (jf, args)
     return jitted
-
-
-def dataclass_like(q, values, scale):
-    import dataclasses
-    return dataclasses.replace(q, values=values, scale=scale)
 
 
 def main() -> None:
