@@ -10,11 +10,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two pytest-xdist workers. JAX writes a persistent-cache entry in place (no temporary file,
     # no lock when eviction is off), so a worker could read another's half-written program: one cache directory
     # per worker, where LLM would otherwise enable the shared one.
-    import jax
+    from gemmajax.engine.llm import _enable_compilation_cache
 
-    jax.config.update("jax_compilation_cache_dir", os.path.join(
-        os.path.expanduser(os.environ.get("GEMMAJAX_CACHE", "~/.cache/gemmajax")), "jax-" + os.environ["PYTEST_XDIST_WORKER"]))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    _enable_compilation_cache("jax-" + os.environ["PYTEST_XDIST_WORKER"])
 
 import pytest  # noqa: E402
 

@@ -319,14 +319,16 @@ def _default_kv_memory() -> int:
     return 2 << 30
 
 
-def _enable_compilation_cache() -> None:
-    """Persistent XLA compilation cache ($GEMMAJAX_CACHE/jax, default ~/.cache/gemmajax/jax): a restarted server
-    or a second `gemmajax generate` skips recompiling the step programs."""
+def _enable_compilation_cache(name: str = "jax") -> None:
+    """Persistent XLA compilation cache ($GEMMAJAX_CACHE/<name>, default ~/.cache/gemmajax/jax): a restarted server
+    or a second `gemmajax generate` skips recompiling the step programs. Nothing changes if one is already set."""
     import os
     import jax
+
+    from gemmajax.model.gguf import DEFAULT_CACHE
     if jax.config.jax_compilation_cache_dir:
         return
-    d = os.path.join(os.path.expanduser(os.environ.get("GEMMAJAX_CACHE", "~/.cache/gemmajax")), "jax")
+    d = os.path.join(os.path.expanduser(os.environ.get("GEMMAJAX_CACHE", DEFAULT_CACHE)), name)
     try:
         os.makedirs(d, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", d)
