@@ -1,0 +1,188 @@
+"""Where XLA:CPU's GEMM time goes at decode batch sizes: the LM head ([M, 640] x [640, 262,144], Gemma 3 270M) in
+each weight layout and dtype XLA hands to YNNPACK, timed by the number of rows M, and (with `perf` on the PATH) the
+share of the CPU time spent in YNNPACK's packing of the weight against its dot kernel.
+
+Design choices: every form is checked against a numpy reference before it is timed (float32 sums within 1e-3 of
+the largest output for bf16; exact for int8). Times are the min of --reps calls, forms alternating, two passes, in
+one process. The perf profile runs each form in a child process (16 rows) and samples that process only after it has
+compiled and warmed up, so the shares are of the steady-state call.
+
+    .venv/bin/python bench/ynn_gemm.py [--rows 2,4,8,16,32] [--n 262144] [--reps 6] [--perf]
+
+Measured 2026-12-06 (`--perf`, defaults; 2-core AMD EPYC Zen 4, AVX-512 bf16 / VNNI, jax 0.10.2, load 0.83 before),
+ms (GMAC/s):
+
+| form | M=2 | M=4 | M=8 | M=16 | M=32 |
+|---|---:|---:|---:|---:|---:|
+| bf16 x.W^T, W [N,K] (the engine's) | 19.82 (17) | 21.36 (31) | 23.95 (56) | 29.70 (90) | 55.41 (97) |
+| bf16 x.W, W [K,N] | 20.71 (16) | 22.13 (30) | 25.26 (53) | 31.50 (85) | 56.11 (96) |
+| bf16 W.x^T (vocab rows) | 28.47 (12) | 27.22 (25) | 28.20 (48) | 27.71 (97) | 47.71 (113) |
+| int8 x.W^T, W [N,K] (the engine's) | 11.53 (29) | 13.31 (50) | 17.93 (75) | 27.33 (98) | 56.14 (96) |
+| int8 x.W, W [K,N] | 14.47 (23) | 16.60 (40) | 21.06 (64) | 30.15 (89) | 59.30 (91) |
+| int8 W.x^T (vocab rows) | 15.98 (21) | 16.37 (41) | 17.60 (76) | 27.52 (98) | 53.50 (100) |
+
+perf at 16 rows (steady state): bf16 [N,K] 55 % `ynn::transpose_x32_avx512`, 40 % the kernel
+`dot_bf16_bf16_fp32_8x32x2_1x16x2_avx512bf16`; bf16 [K,N] 55 % `interleave2_x16_avx512`, 39 % the same kernel; int8
+[N,K] 66 % `dot_int8_int8_int32_6x32x4_1x16x4_avx512`, 30 % `transpose_x32_avx512`; int8 [K,N] 57 % kernel, 40 %
+`interleave4_x8_avx512`; the vocabulary as the GEMM's rows packs nothing (98 % in `..._16x16x2_...avx512bf16` or
+`..._6x8x16_...avx512`) but those narrow kernels run at the same ~98 GMAC/s.
+
+What it shows:
+- In every form XLA:CPU can be given, 16 rows run at 85-98 GMAC/s, and 2 rows already cost two thirds of 16.
+- In the engine's layout most of a 16-row GEMM is YNNPACK repacking the weight, on every call: it packs a B operand
+  that is not a compile-time constant each time it runs (`should_pack_b`, XNNPACK ynnpack/subgraph/dot.cc), and
+  XLA hands it the weights as run-time tensors (the bf16 head closed over as a constant: 29.1 ms against 29.6 as an
+  argument, this session; the whole step: step_breakdown's --constants). The kernel alone runs the bf16 head at ~220 GMAC/s (40 % of 29.7 ms: 12 ms) and the int8 one at
+  ~150 (66 % of 27.3 ms: 18 ms).
+- The int8 kernel is plain AVX-512, not VNNI. YNNPACK's VNNI kernels take uint8 x int8. jaxlib 0.10.2 does not send
+  u8 x s8 dots to YNNPACK; newer XLA sources list that pair. Such a dot ran Eigen's generic GEMM here: about 330 ms
+  for the head.
+- No form, dtype or layout reachable from JAX gets a 16-row LM head under about 27 ms on this machine. The 16-row
+  step's GEMM floor (head plus layers, ~43 ms at these rates) is set by YNNPACK's per-call packing. It is not set by
+  the weights' bytes or by the arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+K = 640
+NT = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands
+NN = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N]
+_PERF_COLUMNS = re.compile(r"\s{2,}")  # the symbol, then perf's padding and further columns
+_PERF_LINE = re.compile(r"^\s*([\d.]+%)\s+\[.\]\s+(\S.*?)\s*$")  # perf report --stdio: "  55.47%  [.] symbol"
+
+
+def forms(m: int, n: int, rng: np.random.Generator) -> dict:
+    """name -> (fn, x, w, reference float64 [m, n] or int64, exact)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    wf = (rng.standard_normal((n, K)) * 0.05).astype(np.float32)
+    xf = rng.standard_normal((m, K)).astype(np.float32)
+    wb, xb = jnp.asarray(wf, jnp.bfloat16), jnp.asarray(xf, jnp.bfloat16)
+    ref_b = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64).T
+    w8 = rng.integers(-127, 128, (n, K)).astype(np.int8)
+    x8 = rng.integers(-127, 128, (m, K)).astype(np.int8)
+    ref_8 = x8.astype(np.int64) @ w8.astype(np.int64).T
+
+    def dot(dims, out, swap=False):  # swap: the weight as the GEMM's left operand, y^T [N, M] (not transposed back:
+        def f(x, w):                   # XLA would fold that transpose into the dot and undo the swap)
+            return lax.dot_general(w, x, dims, preferred_element_type=out) if swap else \
+                lax.dot_general(x, w, dims, preferred_element_type=out)
+        return jax.jit(f)
+
+    return {
+        "bf16 x.W^T, W [N,K]": (dot(NT, jnp.float32), xb, wb, ref_b, False),
+        "bf16 x.W, W [K,N]": (dot(NN, jnp.float32), xb, jnp.asarray(wb.T), ref_b, False),
+        "bf16 W.x^T (vocab rows)": (dot(NT, jnp.float32, swap=True), xb, wb, ref_b.T, False),
+        "int8 x.W^T, W [N,K]": (dot(NT, jnp.int32), jnp.asarray(x8), jnp.asarray(w8), ref_8, True),
+        "int8 x.W, W [K,N]": (dot(NN, jnp.int32), jnp.asarray(x8), jnp.asarray(w8.T), ref_8, True),
+        "int8 W.x^T (vocab rows)": (dot(NT, jnp.int32, swap=True), jnp.asarray(x8), jnp.asarray(w8), ref_8.T, True),
+    }
+
+
+def check(name: str, y, ref, exact: bool) -> None:
+    y = np.asarray(y)
+    if exact:
+        if not np.array_equal(y.astype(np.int64), ref):
+            raise ValueError(f"{name}: int8 products differ from numpy's")
+        return
+    err = float(np.max(np.abs(y - ref)))
+    tol = 1e-3 * float(np.max(np.abs(ref)))
+    if not err <= tol:
+        raise ValueError(f"{name}: max error {err:.3g} against numpy (tolerance {tol:.3g})")
+
+
+def time_rows(rows: list[int], n: int, reps: int) -> None:
+    rng = np.random.default_rng(0)
+    table: dict[str, dict[int, float]] = {}
+    for m in rows:
+        fs = forms(m, n, rng)
+        for name, (f, x, w, ref, exact) in fs.items():
+            check(name, f(x, w), ref, exact)
+        best = dict.fromkeys(fs, float("inf"))
+        for _ in range(2):
+            for name, (f, x, w, _, _) in fs.items():
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    f(x, w).block_until_ready()
+                    best[name] = min(best[name], time.perf_counter() - t)
+        for name, t in best.items():
+            table.setdefault(name, {})[m] = t
+    print(f"\n[M, {K}] x [{K}, {n}], ms (GMAC/s), min of {reps} calls x 2 passes")
+    print("| form | " + " | ".join(f"M={m}" for m in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for name, by_m in table.items():
+        cells = [f"{by_m[m] * 1e3:.2f} ({m * n * K / by_m[m] / 1e9:.0f})" for m in rows]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def child(form: str, m: int, n: int) -> None:
+    """Compile and warm one form, say "ready", then call it until killed (the parent samples it with perf)."""
+    f, x, w, ref, exact = forms(m, n, np.random.default_rng(0))[form]
+    check(form, f(x, w), ref, exact)
+    for _ in range(3):
+        f(x, w).block_until_ready()
+    print("ready", flush=True)
+    while True:
+        f(x, w).block_until_ready()
+
+
+def profile(n: int, seconds: float) -> None:
+    perf = shutil.which("perf")
+    if perf is None:
+        print("\nperf is not on the PATH: no profile")
+        return
+    print(f"\nperf, 16 rows, {seconds:.0f} s of the steady state per form (share of the process's samples)")
+    for form in forms(16, 8192, np.random.default_rng(0)):
+        proc = subprocess.Popen([sys.executable, __file__, "--child", form, "--n", str(n)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        try:
+            while proc.stdout.readline().strip() != "ready":
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{form}: the child exited ({proc.returncode}) before it was ready")
+            with tempfile.TemporaryDirectory() as d:
+                data = os.path.join(d, "perf.data")
+                subprocess.run([perf, "record", "-q", "-p", str(proc.pid), "-o", data, "--", "sleep", str(seconds)],
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                rep = subprocess.run([perf, "report", "-i", data, "--no-children", "--sort", "symbol", "--stdio"],
+                                     check=True, capture_output=True, text=True).stdout
+        finally:
+            proc.kill()
+            proc.wait()
+        top = [mt.groups() for mt in map(_PERF_LINE.match, rep.splitlines()) if mt][:3]
+        print(f"  {form}: " + "; ".join(f"{share} {_PERF_COLUMNS.split(sym)[0][:60]}" for share, sym in top))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="2,4,8,16,32")
+    ap.add_argument("--n", type=int, default=262144)
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--perf", action="store_true", help="also profile each form at 16 rows with perf")
+    ap.add_argument("--perf-seconds", type=float, default=3.0)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, 16, a.n)
+        return
+    import jax
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, load average {os.getloadavg()[0]:.2f} before")
+    time_rows([int(r) for r in a.rows.split(",")], a.n, a.reps)
+    if a.perf:
+        profile(a.n, a.perf_seconds)
+    print(f"load average {os.getloadavg()[0]:.2f} after")
+
+
+if __name__ == "__main__":
+    main()
