@@ -9,31 +9,33 @@ compiled and warmed up, so the shares are of the steady-state call.
 
     .venv/bin/python bench/ynn_gemm.py [--rows 2,4,8,16,32] [--n 262144] [--reps 6] [--perf]
 
-Measured 2026-12-06 (`--perf`, defaults; 2-core AMD EPYC Zen 4, AVX-512 bf16 / VNNI, jax 0.10.2, load 0.83 before),
-ms (GMAC/s):
+Measured 2026-12-06 (`--perf`, defaults; 2-core AMD EPYC Zen 4, AVX-512 bf16 / VNNI, jax 0.10.2, quiet: load 0.08
+before), ms (GMAC/s):
 
 | form | M=2 | M=4 | M=8 | M=16 | M=32 |
 |---|---:|---:|---:|---:|---:|
-| bf16 x.W^T, W [N,K] (the engine's) | 19.82 (17) | 21.36 (31) | 23.95 (56) | 29.70 (90) | 55.41 (97) |
-| bf16 x.W, W [K,N] | 20.71 (16) | 22.13 (30) | 25.26 (53) | 31.50 (85) | 56.11 (96) |
-| bf16 W.x^T (vocab rows) | 28.47 (12) | 27.22 (25) | 28.20 (48) | 27.71 (97) | 47.71 (113) |
-| int8 x.W^T, W [N,K] (the engine's) | 11.53 (29) | 13.31 (50) | 17.93 (75) | 27.33 (98) | 56.14 (96) |
-| int8 x.W, W [K,N] | 14.47 (23) | 16.60 (40) | 21.06 (64) | 30.15 (89) | 59.30 (91) |
-| int8 W.x^T (vocab rows) | 15.98 (21) | 16.37 (41) | 17.60 (76) | 27.52 (98) | 53.50 (100) |
+| bf16 x.W^T, W [N,K] (the engine's) | 19.14 (18) | 21.34 (31) | 23.54 (57) | 29.78 (90) | 55.02 (98) |
+| bf16 x.W, W [K,N] | 21.18 (16) | 22.00 (31) | 24.88 (54) | 32.05 (84) | 57.33 (94) |
+| bf16 W.x^T (vocab rows) | 27.52 (12) | 27.19 (25) | 27.61 (49) | 28.12 (95) | 49.27 (109) |
+| int8 x.W^T, W [N,K] (the engine's) | 11.08 (30) | 13.36 (50) | 17.49 (77) | 26.96 (100) | 56.69 (95) |
+| int8 x.W, W [K,N] | 14.51 (23) | 16.57 (41) | 20.48 (66) | 30.02 (89) | 59.15 (91) |
+| int8 W.x^T (vocab rows) | 15.93 (21) | 15.84 (42) | 17.65 (76) | 27.85 (96) | 53.48 (100) |
 
-perf at 16 rows (steady state): bf16 [N,K] 55 % `ynn::transpose_x32_avx512`, 40 % the kernel
-`dot_bf16_bf16_fp32_8x32x2_1x16x2_avx512bf16`; bf16 [K,N] 55 % `interleave2_x16_avx512`, 39 % the same kernel; int8
-[N,K] 66 % `dot_int8_int8_int32_6x32x4_1x16x4_avx512`, 30 % `transpose_x32_avx512`; int8 [K,N] 57 % kernel, 40 %
-`interleave4_x8_avx512`; the vocabulary as the GEMM's rows packs nothing (98 % in `..._16x16x2_...avx512bf16` or
-`..._6x8x16_...avx512`) but those narrow kernels run at the same ~98 GMAC/s.
+perf at 16 rows (steady state): bf16 [N,K] 55 % `ynn::transpose_x32_avx512`, 39 % the kernel
+`dot_bf16_bf16_fp32_8x32x2_1x16x2_avx512bf16`; bf16 [K,N] 61 % `interleave2_x16_avx512`, 33 % the same kernel; int8
+[N,K] 64 % `dot_int8_int8_int32_6x32x4_1x16x4_avx512`, 32 % `transpose_x32_avx512`; int8 [K,N] 58 % kernel, 39 %
+`interleave4_x8_avx512`; the vocabulary as the GEMM's rows packs nothing (97-98 % in `..._16x16x2_...avx512bf16` or
+`..._6x8x16_...avx512`) but those narrow kernels run at the same 95-96 GMAC/s. (An earlier run the same day, load
+0.83 before, gave the same figures within 5 %.)
 
 What it shows:
-- In every form XLA:CPU can be given, 16 rows run at 85-98 GMAC/s, and 2 rows already cost two thirds of 16.
-- In the engine's layout most of a 16-row GEMM is YNNPACK repacking the weight, on every call: it packs a B operand
-  that is not a compile-time constant each time it runs (`should_pack_b`, XNNPACK ynnpack/subgraph/dot.cc), and
-  XLA hands it the weights as run-time tensors (the bf16 head closed over as a constant: 29.1 ms against 29.6 as an
-  argument, this session; the whole step: step_breakdown's --constants). The kernel alone runs the bf16 head at ~220 GMAC/s (40 % of 29.7 ms: 12 ms) and the int8 one at
-  ~150 (66 % of 27.3 ms: 18 ms).
+- In every form XLA:CPU can be given, 16 rows run at 84-100 GMAC/s, and 2 rows already cost two thirds of 16.
+- In the engine's layout most of a 16-row GEMM is YNNPACK repacking the weight, on every call. YNNPACK packs B
+  whenever B is transposed or no unpacked kernel comes within 2x of the packed one (`should_pack_b`, XNNPACK's
+  ynnpack/subgraph/dot.cc). XLA hands it the weights as run-time tensors, so the packing is part of each call. The
+  bf16 head closed over as a constant measured 29.1 ms against 29.6 as an argument (this session; the whole step:
+  step_breakdown's --constants). The kernel alone runs the bf16 head at ~230 GMAC/s (39 % of 29.8 ms: 12 ms) and
+  the int8 one at ~155 (64 % of 27.0 ms: 17 ms).
 - The int8 kernel is plain AVX-512, not VNNI. YNNPACK's VNNI kernels take uint8 x int8. jaxlib 0.10.2 does not send
   u8 x s8 dots to YNNPACK; newer XLA sources list that pair. Such a dot ran Eigen's generic GEMM here: about 330 ms
   for the head.
