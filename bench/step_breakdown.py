@@ -35,7 +35,8 @@ def close_over_weights(weights) -> None:
     """Make every step program of this process close over `weights` (HLO constants) instead of taking them as an
     argument: runner.compiled_step is wrapped so that the jitted function it returns is replaced by one that calls
     the same step function with these weights baked in (the runner's call keeps passing them; they are ignored).
-    With constants, YNNPACK packs each weight once when the program is built instead of in every call."""
+    The hope was that YNNPACK would then pack each weight once, when the program is built; measured, the step was no
+    faster (module docstring), nor a lone LM head (bench/ynn_gemm.py's docstring)."""
     import functools
 
     import jax

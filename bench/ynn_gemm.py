@@ -3,9 +3,10 @@ each weight layout and dtype XLA hands to YNNPACK, timed by the number of rows M
 share of the CPU time spent in YNNPACK's packing of the weight against its dot kernel.
 
 Design choices: every form is checked against a numpy reference before it is timed (float32 sums within 1e-3 of
-the largest output for bf16; exact for int8). Times are the min of --reps calls, forms alternating, two passes, in
-one process. The perf profile runs each form in a child process (16 rows) and samples that process only after it has
-compiled and warmed up, so the shares are of the steady-state call.
+the largest output for bf16; exact for int8; shapes equal). Times are the min of --reps calls back to back per form,
+the forms in turn, the whole sequence twice, in one process. The perf profile runs each form in a child process
+(16 rows) and samples that process only after it has compiled and warmed up, so the shares are of the steady-state
+call.
 
     .venv/bin/python bench/ynn_gemm.py [--rows 2,4,8,16,32] [--n 262144] [--reps 6] [--perf]
 
@@ -29,25 +30,31 @@ perf at 16 rows (steady state): bf16 [N,K] 55 % `ynn::transpose_x32_avx512`, 39 
 0.83 before, gave the same figures within 5 %.)
 
 What it shows:
-- In every form XLA:CPU can be given, 16 rows run at 84-100 GMAC/s, and 2 rows already cost two thirds of 16.
+- Every form runs 16 rows at 84-100 GMAC/s. A bf16 call of 2 rows already costs two thirds of one of 16 (int8: two
+  fifths).
 - In the engine's layout most of a 16-row GEMM is YNNPACK repacking the weight, on every call. YNNPACK packs B
   whenever B is transposed or no unpacked kernel comes within 2x of the packed one (`should_pack_b`, XNNPACK's
-  ynnpack/subgraph/dot.cc). XLA hands it the weights as run-time tensors, so the packing is part of each call. The
-  bf16 head closed over as a constant measured 29.1 ms against 29.6 as an argument (this session; the whole step:
-  step_breakdown's --constants). The kernel alone runs the bf16 head at ~230 GMAC/s (39 % of 29.8 ms: 12 ms) and
-  the int8 one at ~155 (64 % of 27.0 ms: 17 ms).
-- The int8 kernel is plain AVX-512, not VNNI. YNNPACK's VNNI kernels take uint8 x int8. jaxlib 0.10.2 does not send
-  u8 x s8 dots to YNNPACK; newer XLA sources list that pair. Such a dot ran Eigen's generic GEMM here: about 330 ms
-  for the head.
-- No form, dtype or layout reachable from JAX gets a 16-row LM head under about 27 ms on this machine. The 16-row
-  step's GEMM floor (head plus layers, ~43 ms at these rates) is set by YNNPACK's per-call packing. It is not set by
-  the weights' bytes or by the arithmetic.
+  ynnpack/subgraph/dot.cc, as stored today; jaxlib 0.10.2 bundles its own copy). XLA hands it the weights as
+  run-time tensors, so the packing is part of each call.
+- The kernel's share of the CPU samples puts it at about 230 GMAC/s for the bf16 head (39 % of 29.8 ms: about
+  12 ms) and about 155 for int8 (64 % of 27.0 ms: about 17 ms). These are estimates from the samples, not timed.
+- The layout that packs nothing (the weight as the GEMM's rows) gets a narrow kernel that is no faster: 28 ms.
+- Measured separately this session, not by this script:
+  - the bf16 head closed over as a constant: 29.1 ms against 29.6 as an argument (the whole step:
+    step_breakdown.py's --constants);
+  - a u8 x s8 dot (YNNPACK's VNNI kernels are uint8 x int8; jaxlib 0.10.2 does not send that pair to YNNPACK, newer
+    XLA sources list it) ran Eigen's generic GEMM, about 330 ms for the head.
+- The int8 kernel used is plain AVX-512, not VNNI.
+- No bf16 or int8 form measured here gets a 16-row LM head under about 27 ms on this machine; the int4 tiles are
+  dequantized to bf16 and go through the same GEMMs. At the same rate the layers' 1.6 GMAC would take about 17 ms
+  (an extrapolation), so the 16-row step's GEMMs take about 44 ms whatever the weights' bytes.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -57,10 +64,15 @@ import time
 import numpy as np
 
 K = 640
+READY_TIMEOUT_S = 600  # a child's compile and warm-up (about 20 s here)
 NT = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands
 NN = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N]
 _PERF_COLUMNS = re.compile(r"\s{2,}")  # the symbol, then perf's padding and further columns
 _PERF_LINE = re.compile(r"^\s*([\d.]+%)\s+\[.\]\s+(\S.*?)\s*$")  # perf report --stdio: "  55.47%  [.] symbol"
+
+
+FORMS = ("bf16 x.W^T, W [N,K]", "bf16 x.W, W [K,N]", "bf16 W.x^T (vocab rows)", "int8 x.W^T, W [N,K]",
+         "int8 x.W, W [K,N]", "int8 W.x^T (vocab rows)")
 
 
 def forms(m: int, n: int, rng: np.random.Generator) -> dict:
@@ -83,7 +95,7 @@ def forms(m: int, n: int, rng: np.random.Generator) -> dict:
                 lax.dot_general(x, w, dims, preferred_element_type=out)
         return jax.jit(f)
 
-    return {
+    out = {
         "bf16 x.W^T, W [N,K]": (dot(NT, jnp.float32), xb, wb, ref_b, False),
         "bf16 x.W, W [K,N]": (dot(NN, jnp.float32), xb, jnp.asarray(wb.T), ref_b, False),
         "bf16 W.x^T (vocab rows)": (dot(NT, jnp.float32, swap=True), xb, wb, ref_b.T, False),
@@ -91,10 +103,14 @@ def forms(m: int, n: int, rng: np.random.Generator) -> dict:
         "int8 x.W, W [K,N]": (dot(NN, jnp.int32), jnp.asarray(x8), jnp.asarray(w8.T), ref_8, True),
         "int8 W.x^T (vocab rows)": (dot(NT, jnp.int32, swap=True), jnp.asarray(x8), jnp.asarray(w8), ref_8.T, True),
     }
+    assert tuple(out) == FORMS
+    return out
 
 
 def check(name: str, y, ref, exact: bool) -> None:
     y = np.asarray(y)
+    if y.shape != ref.shape:
+        raise ValueError(f"{name}: shape {y.shape}, expected {ref.shape}")
     if exact:
         if not np.array_equal(y.astype(np.int64), ref):
             raise ValueError(f"{name}: int8 products differ from numpy's")
@@ -146,22 +162,32 @@ def profile(n: int, seconds: float) -> None:
         print("\nperf is not on the PATH: no profile")
         return
     print(f"\nperf, 16 rows, {seconds:.0f} s of the steady state per form (share of the process's samples)")
-    for form in forms(16, 8192, np.random.default_rng(0)):
-        proc = subprocess.Popen([sys.executable, __file__, "--child", form, "--n", str(n)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-        try:
-            while proc.stdout.readline().strip() != "ready":
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{form}: the child exited ({proc.returncode}) before it was ready")
-            with tempfile.TemporaryDirectory() as d:
+    for form in FORMS:
+        with tempfile.TemporaryDirectory() as d:
+            err_path = os.path.join(d, "child.err")
+            with open(err_path, "w") as err:
+                proc = subprocess.Popen([sys.executable, __file__, "--child", form, "--n", str(n)],
+                                        stdout=subprocess.PIPE, stderr=err, text=True)
+            try:
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                while True:  # the child prints "ready" once compiled and warm; give up on a dead or stuck child
+                    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                    line = proc.stdout.readline() if ready else None
+                    if line is not None and line.strip() == "ready":
+                        break
+                    if line == "" or line is None or proc.poll() is not None:
+                        with open(err_path) as f:
+                            tail = f.read()[-2000:]
+                        why = "timed out" if line is None else f"exited ({proc.poll()})"
+                        raise RuntimeError(f"{form}: the child {why} before it was ready; its stderr ends:\n{tail}")
                 data = os.path.join(d, "perf.data")
                 subprocess.run([perf, "record", "-q", "-p", str(proc.pid), "-o", data, "--", "sleep", str(seconds)],
                                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 rep = subprocess.run([perf, "report", "-i", data, "--no-children", "--sort", "symbol", "--stdio"],
                                      check=True, capture_output=True, text=True).stdout
-        finally:
-            proc.kill()
-            proc.wait()
+            finally:
+                proc.kill()
+                proc.wait()
         top = [mt.groups() for mt in map(_PERF_LINE.match, rep.splitlines()) if mt][:3]
         print(f"  {form}: " + "; ".join(f"{share} {_PERF_COLUMNS.split(sym)[0][:60]}" for share, sym in top))
 

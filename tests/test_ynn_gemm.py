@@ -33,6 +33,16 @@ def test_check_rejects_a_wrong_product():
         ynn.check("int8", y, ref, exact)
 
 
+def test_check_rejects_a_wrong_shape_and_the_table_names_every_form(capsys):
+    fs = ynn.forms(3, 256, np.random.default_rng(4))
+    f, x, w, ref, exact = fs["bf16 W.x^T (vocab rows)"]
+    with pytest.raises(ValueError, match="shape"):
+        ynn.check("vocab rows, not transposed back", np.asarray(f(x, w))[:1], ref[:1].T, exact)  # broadcastable
+    ynn.time_rows([2], 256, 1)
+    out = capsys.readouterr().out
+    assert all(f"| {name} | " in out for name in ynn.FORMS)
+
+
 def test_perf_report_line_parsing():
     line = "    55.47%  [.] ynn::transpose_x32_avx512                          -      -            "
     share, sym = ynn._PERF_LINE.match(line).groups()
