@@ -52,6 +52,7 @@ What it shows:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import select
@@ -75,19 +76,33 @@ FORMS = ("bf16 x.W^T, W [N,K]", "bf16 x.W, W [K,N]", "bf16 W.x^T (vocab rows)", 
          "int8 x.W, W [K,N]", "int8 W.x^T (vocab rows)")
 
 
-def forms(m: int, n: int, rng: np.random.Generator) -> dict:
-    """name -> (fn, x, w, reference float64 [m, n] or int64, exact)."""
+@functools.lru_cache(maxsize=1)
+def weights(n: int, seed: int) -> tuple:
+    """The head's weights, drawn once per (n, seed) and shared by every row count: bf16 [N, K] and [K, N], int8 [N, K]
+    and [K, N] (jax arrays), and the float64 / int64 copies the references multiply."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    wb = jnp.asarray((rng.standard_normal((n, K)) * 0.05).astype(np.float32), jnp.bfloat16)
+    w8 = rng.integers(-127, 128, (n, K)).astype(np.int8)
+    return (wb, jnp.asarray(wb.T), jnp.asarray(w8), jnp.asarray(w8.T), np.asarray(wb, np.float64),
+            w8.astype(np.int64))
+
+
+def forms(m: int, n: int, seed: int = 0) -> dict:
+    """name -> (fn, x, w, reference float64 or int64 in the form's own orientation, exact). The weights come from
+    `weights(n, seed)`; x [m, K] is drawn for (seed, m)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
-    wf = (rng.standard_normal((n, K)) * 0.05).astype(np.float32)
-    xf = rng.standard_normal((m, K)).astype(np.float32)
-    wb, xb = jnp.asarray(wf, jnp.bfloat16), jnp.asarray(xf, jnp.bfloat16)
-    ref_b = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64).T
-    w8 = rng.integers(-127, 128, (n, K)).astype(np.int8)
+    wb, wb_kn, w8, w8_kn, wb64, w8_64 = weights(n, seed)
+    rng = np.random.default_rng((seed, m))
+    xb = jnp.asarray(rng.standard_normal((m, K)).astype(np.float32), jnp.bfloat16)
+    ref_b = np.asarray(xb, np.float64) @ wb64.T
     x8 = rng.integers(-127, 128, (m, K)).astype(np.int8)
-    ref_8 = x8.astype(np.int64) @ w8.astype(np.int64).T
+    ref_8 = x8.astype(np.int64) @ w8_64.T
+    x8 = jnp.asarray(x8)
 
     def dot(dims, out, swap=False):  # swap: the weight as the GEMM's left operand, y^T [N, M] (not transposed back:
         def f(x, w):                   # XLA would fold that transpose into the dot and undo the swap)
@@ -97,11 +112,11 @@ def forms(m: int, n: int, rng: np.random.Generator) -> dict:
 
     out = {
         "bf16 x.W^T, W [N,K]": (dot(NT, jnp.float32), xb, wb, ref_b, False),
-        "bf16 x.W, W [K,N]": (dot(NN, jnp.float32), xb, jnp.asarray(wb.T), ref_b, False),
+        "bf16 x.W, W [K,N]": (dot(NN, jnp.float32), xb, wb_kn, ref_b, False),
         "bf16 W.x^T (vocab rows)": (dot(NT, jnp.float32, swap=True), xb, wb, ref_b.T, False),
-        "int8 x.W^T, W [N,K]": (dot(NT, jnp.int32), jnp.asarray(x8), jnp.asarray(w8), ref_8, True),
-        "int8 x.W, W [K,N]": (dot(NN, jnp.int32), jnp.asarray(x8), jnp.asarray(w8.T), ref_8, True),
-        "int8 W.x^T (vocab rows)": (dot(NT, jnp.int32, swap=True), jnp.asarray(x8), jnp.asarray(w8), ref_8.T, True),
+        "int8 x.W^T, W [N,K]": (dot(NT, jnp.int32), x8, w8, ref_8, True),
+        "int8 x.W, W [K,N]": (dot(NN, jnp.int32), x8, w8_kn, ref_8, True),
+        "int8 W.x^T (vocab rows)": (dot(NT, jnp.int32, swap=True), x8, w8, ref_8.T, True),
     }
     assert tuple(out) == FORMS
     return out
@@ -122,10 +137,9 @@ def check(name: str, y, ref, exact: bool) -> None:
 
 
 def time_rows(rows: list[int], n: int, reps: int) -> None:
-    rng = np.random.default_rng(0)
     table: dict[str, dict[int, float]] = {}
     for m in rows:
-        fs = forms(m, n, rng)
+        fs = forms(m, n)
         for name, (f, x, w, ref, exact) in fs.items():
             check(name, f(x, w), ref, exact)
         best = dict.fromkeys(fs, float("inf"))
@@ -147,7 +161,7 @@ def time_rows(rows: list[int], n: int, reps: int) -> None:
 
 def child(form: str, m: int, n: int) -> None:
     """Compile and warm one form, say "ready", then call it until killed (the parent samples it with perf)."""
-    f, x, w, ref, exact = forms(m, n, np.random.default_rng(0))[form]
+    f, x, w, ref, exact = forms(m, n)[form]
     check(form, f(x, w), ref, exact)
     for _ in range(3):
         f(x, w).block_until_ready()
@@ -173,12 +187,12 @@ def profile(n: int, seconds: float) -> None:
                 while True:  # the child prints "ready" once compiled and warm; give up on a dead or stuck child
                     ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
                     line = proc.stdout.readline() if ready else None
-                    if line is not None and line.strip() == "ready":
+                    if line and line.strip() == "ready":
                         break
-                    if line == "" or line is None or proc.poll() is not None:
+                    if not line:  # None: timed out; "": the child closed its output (exited)
                         with open(err_path) as f:
                             tail = f.read()[-2000:]
-                        why = "timed out" if line is None else f"exited ({proc.poll()})"
+                        why = "timed out" if line is None else f"exited ({proc.wait()})"
                         raise RuntimeError(f"{form}: the child {why} before it was ready; its stderr ends:\n{tail}")
                 data = os.path.join(d, "perf.data")
                 subprocess.run([perf, "record", "-q", "-p", str(proc.pid), "-o", data, "--", "sleep", str(seconds)],
