@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from gemmajax.config import ModelConfig
+from tests.xla_flags import suite_xla_flags
 from tests.golden.hf_models import build_hf, save_text_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,11 +82,10 @@ def ckpts(tmp_path_factory):
 
 
 def _env(devices: int) -> dict:
-    """The subprocesses' environment: N CPU devices; XLA:CPU's backend at -O0 (about a third less compile time,
-    which is most of this file's; TP=1 and TP=N are compiled alike, and their equality is what is tested)."""
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 " \
-            "--xla_llvm_disable_expensive_passes=true"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    """The subprocesses' environment: N CPU devices, compiled as the whole suite is (tests/xla_flags.py; TP=1 and
+    TP=N are compiled alike, and their equality is what is tested)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=suite_xla_flags(f"--xla_force_host_platform_device_count={devices}"))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -178,19 +178,20 @@ def test_ngram_with_preemption_abort_and_seeded_sampling(model, gemma4_tokenizer
     params[2] = SamplingParams(max_tokens=24, temperature=0.8, top_k=30, seed=9, ignore_eos=True)
     spec = SpecConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
     kw = dict(max_num_batched_tokens=16, token_buckets=(8, 16))
-    want, _, _ = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=1 << 22, **kw)
-    # a pool too small for three sequences at once (5 + 17 pages of 8): preemption by recompute in the middle of
-    # speculation, and an abort
+    # the reference: plain decoding in a roomy pool
+    want, _, _ = _run(model, gemma4_tokenizer, prompts, params, kv_cache_memory=1 << 22, **kw)
+    # drafting in a pool too small for three sequences at once (5 + 17 pages of 8): preemption by recompute in the
+    # middle of speculation, and an abort
     small, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=130_000,
                                abort_at=(6, "r4"), **kw)
     assert eng.spec.num_pages == (5, 17) and eng.scheduler.num_preemptions > 0 and accepts
+    assert any(m > 0 for _, m in accepts)   # some drafts were kept: tokens came from verification rows
     for i, (a, b) in enumerate(zip(want, small)):
         if i == 4:
             assert b.finish_reason == "abort"
         else:
-            assert a.token_ids == b.token_ids, i   # the seeded sampled request too: its draws follow its tokens
-    plain, _, _ = _run(model, gemma4_tokenizer, prompts, params, **kw)
-    assert [o.token_ids for o in plain] == [o.token_ids for o in want]   # the sampled one too: same keys, same draws
+            # the seeded sampled request too: its draws follow its tokens (same keys, same draws as plain decoding)
+            assert a.token_ids == b.token_ids, i
 
 
 # ------------------------------------------------------------------------------------------ the assistant drafter

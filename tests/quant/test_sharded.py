@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from tests.xla_flags import suite_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRIALS = 12
 
@@ -30,7 +32,8 @@ def _tol(t: dict) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sharded") / "out.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=suite_xla_flags("--xla_force_host_platform_device_count=4"))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "tests.parallel.run_sharded_quant", "20261202", str(TRIALS), out],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
