@@ -6,7 +6,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # deviceless compiles in parallel processes share libtpu
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.xla_flags import suite_xla_flags  # noqa: E402
+from tests.xla_flags import suite_xla_flags
 
 # Before anything imports JAX (XLA reads XLA_FLAGS once): the suite compiles at LLVM -O0 (tests/xla_flags.py says
 # why that tests the same programs), and the subprocesses it starts inherit the flags.

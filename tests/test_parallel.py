@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 from gemmajax.config import ModelConfig
-from tests.xla_flags import suite_xla_flags
 from tests.golden.hf_models import build_hf, save_text_checkpoint
+from tests.xla_flags import suite_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, F = "sliding_attention", "full_attention"
