@@ -8,8 +8,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.xla_flags import suite_xla_flags
 
-# Before anything imports JAX (XLA reads XLA_FLAGS once): the suite compiles at LLVM -O0 (tests/xla_flags.py says
-# why that tests the same programs), and the subprocesses it starts inherit the flags.
+# Before anything compiles (XLA reads XLA_FLAGS once): the suite compiles at LLVM -O0, the same HLO programs with
+# unoptimized machine code (tests/xla_flags.py says what that does and does not test), and the subprocesses it
+# starts inherit the flags.
 os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

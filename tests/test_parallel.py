@@ -29,7 +29,7 @@ import pytest
 
 from gemmajax.config import ModelConfig
 from tests.golden.hf_models import build_hf, save_text_checkpoint
-from tests.xla_flags import suite_xla_flags
+from tests.xla_flags import subprocess_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, F = "sliding_attention", "full_attention"
@@ -85,7 +85,7 @@ def _env(devices: int) -> dict:
     """The subprocesses' environment: N CPU devices, compiled as the whole suite is (tests/xla_flags.py; TP=1 and
     TP=N are compiled alike, and their equality is what is tested)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=suite_xla_flags(f"--xla_force_host_platform_device_count={devices}"))
+               XLA_FLAGS=subprocess_xla_flags(devices))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

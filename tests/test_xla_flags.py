@@ -1,8 +1,9 @@
-"""tests/xla_flags.py: the suite's compile flags are added once, never over a setting the caller named, and not at
-all when asked for XLA's default level; this process (conftest) compiles with them."""
+"""tests/xla_flags.py: the suite's compile flags are added once, never over a setting the caller named, not at all
+when asked for XLA's default level, and subprocesses get the caller's flags with their device count; the compile
+options JAX builds in this process carry them (conftest set them before anything compiled)."""
 import os
 
-from tests.xla_flags import FAST_COMPILE, suite_xla_flags
+from tests.xla_flags import FAST_COMPILE, subprocess_xla_flags, suite_xla_flags
 
 
 def test_flags_are_appended_once_and_respect_the_callers(monkeypatch):
@@ -13,11 +14,24 @@ def test_flags_are_appended_once_and_respect_the_callers(monkeypatch):
     assert suite_xla_flags(two) == two                                   # idempotent
     mine = suite_xla_flags("--xla_backend_optimization_level=2")
     assert mine.split().count("--xla_backend_optimization_level=2") == 1 and "=0" not in mine
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2 --xla_force_host_platform_device_count=8")
+    sub = subprocess_xla_flags(4).split()
+    assert "--xla_backend_optimization_level=2" in sub and "--xla_backend_optimization_level=0" not in sub
+    assert [f for f in sub if "device_count" in f] == ["--xla_force_host_platform_device_count=4"]
+    assert "--xla_llvm_disable_expensive_passes=true" in sub
     monkeypatch.setenv("GEMMAJAX_TEST_XLA_OPT", "default")
     assert suite_xla_flags("--a=1") == "--a=1"
+    assert subprocess_xla_flags(2) == ("--xla_backend_optimization_level=2 "
+                                       "--xla_force_host_platform_device_count=2")
 
 
 def test_this_process_compiles_with_them():
-    named = {f.split("=", 1)[0] for f in os.environ["XLA_FLAGS"].split()}
-    if os.environ.get("GEMMAJAX_TEST_XLA_OPT", "").lower() != "default":
-        assert all(f.split("=", 1)[0] in named for f in FAST_COMPILE), named
+    """What XLA will compile with here, read from the compile options JAX builds (not from the environment)."""
+    from jax._src import compiler
+    debug = compiler.get_compile_options(1, 1).executable_build_options.debug_options
+    if os.environ.get("GEMMAJAX_TEST_XLA_OPT", "").lower() == "default":
+        return
+    named = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+    if "--xla_backend_optimization_level" in named:   # the caller named a level (kept over the suite's)
+        return
+    assert debug.xla_backend_optimization_level == 0 and debug.xla_llvm_disable_expensive_passes

@@ -112,17 +112,35 @@ def spy_accepts(eng) -> list[tuple[int, int]]:
     return accepts
 
 
-def _run(model, tok, prompts, params, spec=None, abort_at=None, **kw):
+def _run(model, tok, prompts, params, spec=None, abort_at=None, trace=None, **kw):
+    """Runs the requests to the end (aborting abort_at = (step, request id)). trace, a dict, gets "drafted" (the
+    requests that drafted tokens for verification), "preempted" (request ids, once per preemption) and
+    "aborted_while" ("running" / "waiting": where the aborted request was at the abort)."""
     cfg = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=24, page_size=8, kv_cache_memory=1 << 22,
                token_buckets=(8, 24), seq_buckets=(3,), speculative=spec)
     cfg.update(kw)
     eng = LLMEngine(model.config, model.weights, tok, EngineConfig(**cfg))
     accepts = spy_accepts(eng)
+    trace = {} if trace is None else trace
+    trace.update(drafted=set(), preempted=[])
+    preempt, propose = eng.scheduler._preempt, eng._propose
+
+    def spy_preempt(seq):
+        trace["preempted"].append(seq.request_id)
+        preempt(seq)
+
+    def spy_propose():
+        propose()
+        trace["drafted"] |= {s.request_id for s in eng.scheduler.running if s.spec_tokens}
+    eng.scheduler._preempt, eng._propose = spy_preempt, spy_propose
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
     done, steps = {}, 0
     while eng.has_unfinished():
         if abort_at is not None and steps == abort_at[0]:
+            where = {s.request_id: w for w, q in (("running", eng.scheduler.running),
+                                                  ("waiting", eng.scheduler.waiting)) for s in q}
+            trace["aborted_while"] = where.get(abort_at[1])
             eng.abort_request(abort_at[1])
         for o in eng.step():
             if o.finished:
@@ -181,13 +199,17 @@ def test_ngram_with_preemption_abort_and_seeded_sampling(model, gemma4_tokenizer
     # the reference: plain decoding in a roomy pool
     want, _, _ = _run(model, gemma4_tokenizer, prompts, params, kv_cache_memory=1 << 22, **kw)
     # drafting in a pool too small for three sequences at once (5 + 17 pages of 8): preemption by recompute in the
-    # middle of speculation, and an abort
+    # middle of speculation (the seeded sampled request r2 drafts and is preempted), and an abort of a running,
+    # drafting request
+    trace = {}
     small, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=130_000,
-                               abort_at=(6, "r4"), **kw)
-    assert eng.spec.num_pages == (5, 17) and eng.scheduler.num_preemptions > 0 and accepts
+                               abort_at=(15, "r3"), trace=trace, **kw)
+    assert eng.spec.num_pages == (5, 17) and eng.scheduler.num_preemptions > 0
+    assert "r2" in trace["preempted"] and "r2" in trace["drafted"], trace
+    assert trace["aborted_while"] == "running" and "r3" in trace["drafted"], trace
     assert any(m > 0 for _, m in accepts)   # some drafts were kept: tokens came from verification rows
     for i, (a, b) in enumerate(zip(want, small)):
-        if i == 4:
+        if i == 3:
             assert b.finish_reason == "abort"
         else:
             # the seeded sampled request too: its draws follow its tokens (same keys, same draws as plain decoding)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.xla_flags import suite_xla_flags
+from tests.xla_flags import subprocess_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRIALS = 12
@@ -33,7 +33,7 @@ def _tol(t: dict) -> float:
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sharded") / "out.json")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=suite_xla_flags("--xla_force_host_platform_device_count=4"))
+               XLA_FLAGS=subprocess_xla_flags(4))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "tests.parallel.run_sharded_quant", "20261202", str(TRIALS), out],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
