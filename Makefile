@@ -19,7 +19,7 @@ setup: $(STAMP)
 
 # Two pytest-xdist workers, one test file each at a time (a file's module fixtures are built once): most tests
 # wait on single-threaded XLA compiles, so the suite took 24 min against 35 serially on 2 cores (2026-12-06), and
-# 22 min once it compiled at LLVM -O0 (tests/xla_flags.py; GEMMAJAX_TEST_XLA_OPT=default for XLA's default level).
+# 21-22 min once it compiled at LLVM -O0 (tests/xla_flags.py; GEMMAJAX_TEST_XLA_OPT=default for XLA's default level).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
