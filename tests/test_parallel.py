@@ -84,8 +84,7 @@ def ckpts(tmp_path_factory):
 def _env(devices: int) -> dict:
     """The subprocesses' environment: N CPU devices, compiled as the whole suite is (tests/xla_flags.py; TP=1 and
     TP=N are compiled alike, and their equality is what is tested)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=subprocess_xla_flags(devices))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subprocess_xla_flags(devices))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -3,7 +3,7 @@ when asked for XLA's default level, and subprocesses get the caller's flags with
 options JAX builds in this process carry them (conftest set them before anything compiled)."""
 import os
 
-from tests.xla_flags import FAST_COMPILE, subprocess_xla_flags, suite_xla_flags
+from tests.xla_flags import FAST_COMPILE, default_level_requested, flag_names, subprocess_xla_flags, suite_xla_flags
 
 
 def test_flags_are_appended_once_and_respect_the_callers(monkeypatch):
@@ -28,10 +28,7 @@ def test_flags_are_appended_once_and_respect_the_callers(monkeypatch):
 def test_this_process_compiles_with_them():
     """What XLA will compile with here, read from the compile options JAX builds (not from the environment)."""
     from jax._src import compiler
+    if default_level_requested() or "--xla_backend_optimization_level" in flag_names(os.environ["XLA_FLAGS"]):
+        return   # the suite added no level (a caller's own level is kept over the suite's)
     debug = compiler.get_compile_options(1, 1).executable_build_options.debug_options
-    if os.environ.get("GEMMAJAX_TEST_XLA_OPT", "").lower() == "default":
-        return
-    named = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
-    if "--xla_backend_optimization_level" in named:   # the caller named a level (kept over the suite's)
-        return
     assert debug.xla_backend_optimization_level == 0 and debug.xla_llvm_disable_expensive_passes

@@ -19,12 +19,22 @@ import os
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
+def default_level_requested() -> bool:
+    """GEMMAJAX_TEST_XLA_OPT=default: the suite adds nothing to XLA_FLAGS."""
+    return os.environ.get("GEMMAJAX_TEST_XLA_OPT", "").lower() == "default"
+
+
+def flag_names(flags: str) -> set[str]:
+    """The flags named in an XLA_FLAGS string, without their values."""
+    return {f.split("=", 1)[0] for f in flags.split()}
+
+
 def suite_xla_flags(flags: str = "") -> str:
     """`flags` with the suite's compile flags appended (those not already named in it), unless
     GEMMAJAX_TEST_XLA_OPT=default."""
-    if os.environ.get("GEMMAJAX_TEST_XLA_OPT", "").lower() == "default":
+    if default_level_requested():
         return flags
-    named = {f.split("=", 1)[0] for f in flags.split()}
+    named = flag_names(flags)
     extra = [f for f in FAST_COMPILE if f.split("=", 1)[0] not in named]
     return " ".join([flags.strip(), *extra]).strip()
 

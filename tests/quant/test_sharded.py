@@ -32,8 +32,7 @@ def _tol(t: dict) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sharded") / "out.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=subprocess_xla_flags(4))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subprocess_xla_flags(4))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "tests.parallel.run_sharded_quant", "20261202", str(TRIALS), out],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
