@@ -19,11 +19,10 @@ def _cpu_vector_width() -> None:
         from importlib.metadata import version
         if tuple(int(p) for p in version("jaxlib").split(".")[:2]) != (0, 10):
             return
-        with open("/proc/cpuinfo") as f:
-            avx512 = any(line.startswith("flags") and " avx512f" in line for line in f)
-    except (OSError, ValueError, ImportError):
+    except (ValueError, ImportError):
         return
-    if avx512:
+    from gemmajax.cpu_features import cpu_flags
+    if "avx512f" in cpu_flags():
         _os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_prefer_vector_width=512").strip()
 
 

@@ -67,6 +67,7 @@ from gemmajax.quant.int4_matmul import (
 )
 from gemmajax.quant.int8_matmul import (
     WIDE_MIN_ROWS,
+    int8_matmul_cpu,
     int8_matmul_ref,
     int8_matmul_xla,
     materialize,
@@ -484,7 +485,7 @@ def _matmul_cpu(x: jax.Array, w: Weight) -> jax.Array:
         # 2-63 rows keep the group loop: "wide" from 2 rows (int8_matmul.wide_pays) was measured for dense layers,
         # not for one expert's item inside the expert loop
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        return int8_matmul_xla(x, w, form="int" if 1 < rows < WIDE_MIN_ROWS else "auto")
+        return int8_matmul_cpu(x, w, form="int" if 1 < rows < WIDE_MIN_ROWS else "auto")
     return dense_matmul_cpu(x, w) if jnp.dtype(x.dtype).itemsize == 2 else dense_matmul(x, w)
 
 

@@ -228,6 +228,59 @@ def test_wide_form_with_groups_within_its_rounding(m, k, n):
     assert float(np.median(2.0**-8 * s / np.maximum(np.abs(np.asarray(ref, np.float64)), 1e-3))) < 0.3
 
 
+def _dot_operand_dtypes(f, *args) -> list[str]:
+    """The operand dtypes of every dot_general in f's jaxpr, nested ones included (e.g. ["bfloat16,bfloat16"])."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield ",".join(str(v.aval.dtype) for v in e.invars)
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from walk(inner)
+    return list(walk(jax.make_jaxpr(f)(*args).jaxpr))
+
+
+@pytest.mark.parametrize("g", [0, 128])
+def test_wide_form_in_float32_without_bf16_hardware(g):
+    """bf16_dot=False (a CPU without bf16 hardware, int8_matmul_cpu): "wide" multiplies float32 levels by float32
+    activations (the levels without groups: exact, the reference's bits; with groups xq * x_scale unrounded, as
+    "vector": each product and the K-term float32 sum round), where bf16_dot=True multiplies bf16 ones."""
+    x, _, q = _grouped(16, 640, 1000, g, seed=31 + g, xdtype=jnp.bfloat16, outliers=True)
+    f32 = lambda x, q: int8_matmul_xla(x, q, form="wide", bf16_dot=False)
+    b16 = lambda x, q: int8_matmul_xla(x, q, form="wide", bf16_dot=True)
+    assert _dot_operand_dtypes(f32, x, q) == ["float32,float32"]
+    assert _dot_operand_dtypes(b16, x, q) == ["bfloat16,bfloat16"]
+    out, ref = jax.jit(f32)(x, q), int8_matmul_ref(x, q)
+    assert out.dtype == jnp.bfloat16
+    if not g:
+        assert np.array_equal(np.asarray(out), np.asarray(ref))
+        return
+    # before the output's rounding within the "vector" form's bound; both outputs round to bf16 once (2**-7 |ref|)
+    ref64 = np.abs(np.asarray(ref, np.float64))
+    _assert_close(out, ref, _order_bound(x, q, 640 + 640 // g + 5) + 2.0**-7 * ref64)
+    # and nearer the reference than the bf16 form (which rounds every activation to 8 bits)
+    same = lambda y: float(np.mean(np.asarray(y) == np.asarray(ref)))
+    assert same(out) > 0.95 and same(out) > same(jax.jit(b16)(x, q)), (same(out), same(jax.jit(b16)(x, q)))
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_cpu_int8_matmul_follows_the_cpus_bf16_hardware(monkeypatch, flag):
+    """int8_matmul on the CPU (impl "auto" and "xla") takes "wide" in bf16 only where the CPU has bf16 hardware
+    (cpu_features.native_bf16_dot, here forced by GEMMAJAX_CPU_BF16_DOT): the bits of the matching bf16_dot. It is
+    read when traced, and JAX reuses a platform_dependent branch's trace for the same shapes, so each flag gets its
+    own row count."""
+    monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", flag)
+    x, _, q = _grouped(16 + int(flag), 640, 256, 128, seed=5, xdtype=jnp.bfloat16, outliers=True)
+    want = {b: np.asarray(jax.jit(lambda x, q, b=b: int8_matmul_xla(x, q, form="wide", bf16_dot=b))(x, q))
+            for b in (False, True)}
+    assert not np.array_equal(want[False], want[True])
+    for impl in ("auto", "xla"):
+        got = np.asarray(jax.jit(lambda x, q, i=impl: int8_matmul(x, q, i))(x, q))
+        assert np.array_equal(got, want[flag == "1"]), impl
+
+
 @pytest.mark.parametrize("m,n,g,dt,want", [
     (2, 256, 128, jnp.bfloat16, "wide"), (16, 256, 128, jnp.bfloat16, "wide"),   # small grouped weight: from 2 rows
     (16, 8192, 128, jnp.bfloat16, "int"),    # its bf16 copy (10.5 MB) over WIDE_SMALL_MAX_BYTES: the group loop
