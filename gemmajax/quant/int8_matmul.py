@@ -27,7 +27,8 @@ from two rows on it becomes a generic dot on a float32 copy and the int8 GEMM wi
 M >= 2 "int" (also the GPU form). Both give the reference's integers; "vector" sums them in float32. Since then, for
 bf16 x, "wide" (one bf16 GEMM over the levels, the conversion kept beside it by `after`) beats "int" in the whole
 step from 64 rows, and from 2 rows for small weights with activation groups (`wide_pays`); "int" stays for the
-rest, float32 x and the GPU.
+rest, float32 x and the GPU. On a CPU without bf16 hardware (`int8_matmul_cpu`) "wide" multiplies float32 levels
+instead, and only for weights with activation groups.
 
 Activation groups (act_group G; the loaders' w8a8 default is 128, quantize.default_act_group). Gemma's activations
 have outlier channels: one scale per token gives every column the outliers' coarse step; per group only the
@@ -90,9 +91,18 @@ WIDE_SMALL_ROWS = 2  # and from here for a grouped weight whose bf16 copy is at 
 WIDE_SMALL_MAX_BYTES = 8 << 20  # Gemma 3 270M's largest projection: 2.6 MB; unmeasured above it
 
 
-def wide_pays(m: int, n: int, k: int, act_group: int) -> bool:
-    """Whether `int8_matmul_xla`'s "auto" takes "wide" for m rows of 16-bit x times an [n, k] weight (see above)."""
-    return m >= WIDE_MIN_ROWS or (bool(act_group) and m >= WIDE_SMALL_ROWS and 2 * n * k <= WIDE_SMALL_MAX_BYTES)
+def wide_pays(m: int, n: int, k: int, act_group: int, bf16_dot: bool = True) -> bool:
+    """Whether `int8_matmul_xla`'s "auto" takes "wide" for m rows of 16-bit x times an [n, k] weight (see above).
+
+    bf16_dot False ("wide" in float32 levels, a CPU without bf16 hardware): only for a grouped weight, the small
+    weight's limit counting the float32 copy. Without groups "int" is one int8 GEMM, which such a CPU runs faster at
+    any row count measured: on a 2-core AMD EPYC Zen 3 (AVX2, 2026-12-06, load 2.0 falling: rough), ms int / float32
+    levels / bf16 levels, 64 rows 640 x 2048 1.32 / 1.62 / 3.78, the 262,144 x 640 +emb8 head 159 / 454 / 661;
+    256 rows 4.83 / 5.97 / 10.08 and 728 / 1173 / 1561."""
+    if not bf16_dot and not act_group:
+        return False
+    copy = (2 if bf16_dot else 4) * n * k
+    return m >= WIDE_MIN_ROWS or (bool(act_group) and m >= WIDE_SMALL_ROWS and copy <= WIDE_SMALL_MAX_BYTES)
 
 
 def quantize_activations(x: jax.Array, group: int = 0, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -335,7 +345,7 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
     group maximum).
     bf16_dot: whether "wide" may multiply in x's 16-bit dtype; False (a CPU without bf16 hardware: int8_matmul_cpu)
     multiplies float32 levels by the float32 activations instead (their levels, or xq * x_scale unrounded, as
-    "vector" does).
+    "vector" does), and "auto" takes it only for a grouped weight (`wide_pays`).
     """
     _check(x, w)
     x = _pad_in(x, w)
@@ -347,7 +357,7 @@ def int8_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
         if m == 1 and (not ag or k <= _VECTOR_MAX_IN):
             form = "vector"
         else:
-            form = "wide" if x16 and wide_pays(m, n, k, ag) else "int"
+            form = "wide" if x16 and wide_pays(m, n, k, ag, bf16_dot) else "int"
     ws = w.scale.astype(jnp.float32)[None, :]
 
     def dequantized():  # xq * x_scale per group, float32 [M, K]
@@ -392,11 +402,12 @@ def _int8_matmul_gpu(x: jax.Array, w: QuantArray) -> jax.Array:
 
 def int8_matmul_cpu(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
     """int8_matmul_xla for this host's CPU: "wide" in bf16 only where the CPU multiplies bf16 in hardware
-    (cpu_features.native_bf16_dot; read when traced). Without it, measured on a 2-core AMD EPYC Zen 3 (AVX2, jax
-    0.10.2, load 0.6, act_group 128, 16 rows of bf16 x, min of 30 calls; ms bf16 levels / float32 levels / "int" /
-    a bf16 weight): 640 x 2048 2.77 / 0.80 / 0.55 / 0.68, 2048 x 640 2.95 / 0.92 / 0.96 / 0.74, 640 x 1024
-    0.93 / 0.46 / 0.70 / 0.45, 1024 x 640 0.98 / 0.50 / 0.63 / 0.61: Gemma 3 270M w8a8 decoded 16 streams at
-    58 tok/s there against bf16's 112."""
+    (cpu_features.native_bf16_dot, read when traced: JAX reuses a trace for the same shapes, so the answer is the
+    process's first). Without it, measured on a 2-core AMD EPYC Zen 3 (AVX2, jax 0.10.2, load 0.6, act_group 128,
+    16 rows of bf16 x, min of 30 calls; ms bf16 levels / float32 levels / "int" / a bf16 weight): 640 x 2048
+    2.77 / 0.80 / 0.55 / 0.68, 2048 x 640 2.95 / 0.92 / 0.96 / 0.74, 640 x 1024 0.93 / 0.46 / 0.70 / 0.45,
+    1024 x 640 0.98 / 0.50 / 0.63 / 0.61. Gemma 3 270M w8a8 decoded 16 streams there at 57.9 tok/s with bf16 levels
+    and 116.0 with float32 ones, bf16's 112.3 and 110.7 in the same runs (docs/cpu_notes_2026-12-06.md)."""
     return int8_matmul_xla(x, w, form=form, bf16_dot=native_bf16_dot())
 
 

@@ -307,6 +307,27 @@ def test_auto_form_by_rows_size_and_dtype(m, n, g, dt, want):
     assert ("preferred_element_type=int32" in jaxpr) == (want == "int"), (m, n, g, dt)
 
 
+@pytest.mark.parametrize("m,n,g,want", [
+    (2, 256, 128, "wide"), (16, 256, 128, "wide"),  # a small grouped weight: its float32 copy is 655 KB
+    (16, 4096, 128, "int"),   # float32 copy 10.5 MB, over WIDE_SMALL_MAX_BYTES (its bf16 copy, 5.2 MB, is under)
+    (64, 8192, 128, "wide"),  # from WIDE_MIN_ROWS any grouped weight
+    (64, 256, 0, "int"), (128, 256, 0, "int")])     # no groups: one int8 GEMM at any row count
+def test_auto_form_without_bf16_hardware(m, n, g, want):
+    """bf16_dot=False: auto is the form wide_pays picks, "wide" only for a grouped weight, its
+    small-weight limit counting the float32 copy (the bf16 rule would take "wide" for the 4096-row weight)."""
+    from gemmajax.quant.int8_matmul import wide_pays
+    assert wide_pays(m, n, 640, g, bf16_dot=False) == (want == "wide")
+    if (m, n) == (16, 4096):
+        assert wide_pays(m, n, 640, g, bf16_dot=True)
+    x, _, q = _grouped(m, 640, n, g, seed=m + n + 1, xdtype=jnp.bfloat16, outliers=True)
+    got = {f: np.asarray(jax.jit(lambda x, q, f=f: int8_matmul_xla(x, q, form=f, bf16_dot=False))(x, q)
+                         .astype(jnp.float32)) for f in ("auto", "int", "wide")}
+    assert np.array_equal(got["auto"], got[want]), (m, n, g)
+    # float32 "wide" is near enough the integers that the bf16 outputs can coincide: the program tells them apart
+    dots = _dot_operand_dtypes(lambda x, q: int8_matmul_xla(x, q, bf16_dot=False), x, q)
+    assert dots == (["float32,float32"] if want == "wide" else ["int8,int8"]), (m, n, g, dots)
+
+
 def test_group_auto_form_by_width():
     """One row: the dequantized-activation "vector" fusion up to in 3072, the group loop ("int") beyond it, where
     XLA:CPU's one-row fusion stops streaming (int8_matmul.py); both agree with the reference."""
