@@ -261,8 +261,8 @@ def test_wide_form_in_float32_without_bf16_hardware(g):
     ref64 = np.abs(np.asarray(ref, np.float64))
     _assert_close(out, ref, _order_bound(x, q, 640 + 640 // g + 5) + 2.0**-7 * ref64)
     # and nearer the reference than the bf16 form (which rounds every activation to 8 bits)
-    same = lambda y: float(np.mean(np.asarray(y) == np.asarray(ref)))
-    assert same(out) > 0.95 and same(out) > same(jax.jit(b16)(x, q)), (same(out), same(jax.jit(b16)(x, q)))
+    same_f32, same_b16 = (float(np.mean(np.asarray(y) == np.asarray(ref))) for y in (out, jax.jit(b16)(x, q)))
+    assert same_f32 > 0.95 and same_f32 > same_b16, (same_f32, same_b16)
 
 
 @pytest.mark.parametrize("flag", ["0", "1"])
@@ -321,7 +321,7 @@ def test_auto_form_without_bf16_hardware(m, n, g, want):
         assert wide_pays(m, n, 640, g, bf16_dot=True)
     x, _, q = _grouped(m, 640, n, g, seed=m + n + 1, xdtype=jnp.bfloat16, outliers=True)
     got = {f: np.asarray(jax.jit(lambda x, q, f=f: int8_matmul_xla(x, q, form=f, bf16_dot=False))(x, q)
-                         .astype(jnp.float32)) for f in ("auto", "int", "wide")}
+                         .astype(jnp.float32)) for f in ("auto", want)}
     assert np.array_equal(got["auto"], got[want]), (m, n, g)
     # float32 "wide" is near enough the integers that the bf16 outputs can coincide: the program tells them apart
     dots = _dot_operand_dtypes(lambda x, q: int8_matmul_xla(x, q, bf16_dot=False), x, q)
