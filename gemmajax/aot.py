@@ -858,7 +858,8 @@ def _spec(req: AotRequest, num_pages: tuple[int, ...], attn_impl: str, plan: Any
     cfg = req.cfg
     return RunnerSpec(cfg, kv_groups(cfg), req.page_size, tuple(num_pages),
                       math.ceil(req.max_model_len / req.page_size),
-                      req.kv_dtype, attn_impl=attn_impl, plan=plan)
+                      req.kv_dtype, attn_impl=attn_impl, plan=plan,
+                      row_q_max=1 + req.num_speculative_tokens if req.draft is not None else 1)   # as LLMEngine
 
 
 def _attn_impl(req: AotRequest) -> tuple[str, str | None]:

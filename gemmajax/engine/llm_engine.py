@@ -154,12 +154,13 @@ class LLMEngine:
                                max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                kv_cache_memory=config.kv_cache_memory)
+        spec_cfg = SpecConfig.parse(config.speculative)
         self.spec = RunnerSpec(cfg, groups, config.page_size, num_pages, math.ceil(max_len / config.page_size),
                                config.kv_dtype, attn_impl=config.attn_impl,
                                bits=jax.default_backend() == "cpu" and config.attn_impl in ("auto", "ref"),
                                block_mode="all" if self.mm_config is not None and self.mm_config.unified else "sliding",
-                               plan=config.parallel)
-        spec_cfg = SpecConfig.parse(config.speculative)
+                               plan=config.parallel,
+                               row_q_max=1 + spec_cfg.num_speculative_tokens if spec_cfg is not None else 1)
         self.drafter = None
         if spec_cfg is not None and spec_cfg.method == "draft_model":
             self.drafter = Drafter(spec_cfg.model, cfg, str(gemma.compute_dtype(weights)), groups)

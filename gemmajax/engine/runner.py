@@ -76,6 +76,9 @@ class RunnerSpec:
     block_mode: str = "sliding"
     # Tensor / expert parallelism: a gemmajax.parallel.ShardPlan (its mesh, and how pages split), or None (one device)
     plan: Any = None
+    # 1 + k with speculative decoding, else 1: steps mark their verifications in RaggedMeta.by_row (up to row_q_max
+    # tokens each), whose tokens the reference attention computes as one-token steps would (the same bits)
+    row_q_max: int = 1
 
     def group_of(self, layer_index: int) -> int:
         return self.groups.index(self.cfg.layers[layer_index].kind)
@@ -492,12 +495,14 @@ def build_step_inputs(spec: RunnerSpec, entries: list[tuple], t_pad: int, s_pad:
     cu_rows[n + 1:] = r
     num = np.array([n], np.int32)
     dec = t == n and t_pad == s_pad  # one token per sequence: the attention's decode-only form
-    metas = tuple(RaggedMeta(cu_q_lens=cu, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=dec)
-                  for tab in tables)
+    # verifications (every token gets logits): computed token by token in the reference attention
+    by_row = (np.diff(cu_rows) > 1) if spec.row_q_max > 1 else None
+    metas = tuple(RaggedMeta(cu_q_lens=cu, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=dec,
+                             by_row=by_row, row_q_max=spec.row_q_max) for tab in tables)
     # KV-shared layers: only the tokens that get logits (the last of each sequence, or its verified tokens)
     one = r == n and r_pad == s_pad
-    shared = tuple(RaggedMeta(cu_q_lens=cu_rows, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=one)
-                   for tab in tables)
+    shared = tuple(RaggedMeta(cu_q_lens=cu_rows, kv_lens=kv_lens, page_indices=tab, num_seqs=num, decode_only=one,
+                              by_row=by_row, row_q_max=spec.row_q_max) for tab in tables)
     return StepInputs(token_ids=tok, positions=pos, logits_indices=rows, metas=metas, shared_metas=shared)
 
 

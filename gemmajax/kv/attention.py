@@ -65,6 +65,12 @@ class RaggedMeta:
     block_lo: jax.Array | None = None
     block_hi: jax.Array | None = None
     block_in_window: bool = dataclasses.field(default=True, metadata={"static": True})
+    # Reference only: optional bool [S_max], sequences (a speculative verification's, 1 + k tokens) whose every
+    # token is computed as a decode row, the math of a one-token step, so each gets the bits plain decoding gives it
+    # and seeded sampling stays equal; at most row_q_max (static) tokens each (more, or any in an image block: the
+    # chunk path). None: only sequences with q_len == 1 are decode rows.
+    by_row: jax.Array | None = None
+    row_q_max: int = dataclasses.field(default=1, metadata={"static": True})
 
 
 def make_ragged_meta(
@@ -234,14 +240,44 @@ def _prefill_block_kv(t_pad: int, s_max: int) -> int:
 
 
 def _ref_decode_rows(
-    q, kv_pages, meta, seq, pos, valid, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_kv, kv_dtype
+    q, kv_pages, meta, seq, pos, valid, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_kv, kv_dtype,
+    row_tokens=None,
 ):
-    """Attention for the tokens of sequences with q_len == 1, batched over S_max rows.
+    """Attention for the tokens of sequences with q_len == 1 (and, with `row_tokens`, the tokens marked there), each
+    token a row of its own that attends over its sequence's KV up to its own position.
 
-    Cost per call: O(S_max * span * (2K + 2N) * H) where span is the KV range from the earliest window start to the
-    longest decode sequence in the batch (one gather of [S_max, block_kv] rows per KV block).
-    Returns: (rows int32 [S_max] token index or T for unused, out f32 [S_max, N, H]).
+    Rows go in groups of S_max (one group; with row_tokens, min(T, S_max * meta.row_q_max) rows in groups, one after
+    the other), so every row is computed by the same program shape as a one-token step's: XLA:CPU's bits for a row
+    change with the number of rows batched with it (measured: 3 against 8 rows, float32 and fp8 pages, last bits).
+
+    Cost per group: O(S_max * span * (2K + 2N) * H) where span is the KV range from the earliest window start to the
+    furthest row position in the group (one gather of [S_max, block_kv] KV tokens per KV block).
+    Returns: (rows int32 [R] token index or T for unused, out f32 [R, N, H]).
     """
+    t_pad = q.shape[0]
+    s_max = meta.page_indices.shape[0]
+    if meta.decode_only:  # token i is sequence i's query
+        rows = jnp.where(valid, jnp.arange(s_max, dtype=jnp.int32), t_pad)
+    elif row_tokens is None:
+        q_len = meta.cu_q_lens[seq + 1] - meta.cu_q_lens[seq]
+        rows = jnp.nonzero(valid & (q_len == 1), size=s_max, fill_value=t_pad)[0].astype(jnp.int32)  # [S]
+    else:
+        n_groups = -(-min(t_pad, s_max * meta.row_q_max) // s_max)
+        rows = jnp.nonzero(row_tokens, size=n_groups * s_max, fill_value=t_pad)[0].astype(jnp.int32)
+        one = functools.partial(_decode_row_group, q, kv_pages, meta, seq, pos, sm_scale=sm_scale,
+                                sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                block_kv=block_kv, kv_dtype=kv_dtype)
+        out = lax.map(one, rows.reshape(n_groups, s_max))
+        return rows, out.reshape(n_groups * s_max, *q.shape[1:])
+    return rows, _decode_row_group(q, kv_pages, meta, seq, pos, rows, sm_scale=sm_scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                                   v_scale=v_scale, block_kv=block_kv, kv_dtype=kv_dtype)
+
+
+def _decode_row_group(
+    q, kv_pages, meta, seq, pos, rows, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_kv, kv_dtype
+):
+    """`_ref_decode_rows` for one group of S_max rows (token indices; T for an unused row): f32 [S_max, N, H]."""
     t_pad, n, h = q.shape
     _, two_k, ps, _ = kv_pages.shape
     nk = two_k // 2
@@ -249,13 +285,6 @@ def _ref_decode_rows(
     s_max, p_max = meta.page_indices.shape
     ppb = max(1, block_kv // ps)
     bkv = ppb * ps
-
-    if meta.decode_only:  # token i is sequence i's query
-        rows = jnp.where(valid, jnp.arange(s_max, dtype=jnp.int32), t_pad)
-    else:
-        q_len = meta.cu_q_lens[seq + 1] - meta.cu_q_lens[seq]
-        is_dec = valid & (q_len == 1)
-        rows = jnp.nonzero(is_dec, size=s_max, fill_value=t_pad)[0].astype(jnp.int32)  # [S]
     row_ok = rows < t_pad
     r = jnp.minimum(rows, t_pad - 1)
     r_seq, r_pos = seq[r], pos[r]  # [S]
@@ -287,12 +316,12 @@ def _ref_decode_rows(
     _m, l, acc = lax.fori_loop(j_lo, j_hi, body, init)
     acc = acc * jnp.asarray(v_scale, jnp.float32)  # V was not dequantized
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return rows, out.reshape(s_max, n, h)
+    return out.reshape(s_max, n, h)
 
 
 def _ref_prefill_chunks(
     q, kv_pages, meta, out, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_q, block_kv, kv_dtype,
-    items: int,
+    items: int, by_row=None,
 ):
     """Attention for the tokens of sequences with q_len >= 2, in chunks ("items") of `block_q` query rows of one
     sequence, `items` chunks per loop iteration (batched: one gather and one pair of dots for all of them).
@@ -302,7 +331,8 @@ def _ref_prefill_chunks(
     chunk past its own range only masks), O(items * block_q * block_kv * N * H) compute and O(items * block_kv *
     2K * H) gather per block. Batching exists for XLA:CPU, where a loop iteration costs far more than a chunk's
     arithmetic: 16 prompts of 24 tokens are 32 chunks, 32 iterations of small ops per layer one at a time.
-    Writes the chunk rows into `out` f32 [T, N, H] and returns it.
+    Writes the chunk rows into `out` f32 [T, N, H] and returns it. by_row: bool [S_max], sequences left out (their
+    tokens were computed as decode rows).
     """
     t_pad, n, h = q.shape
     _, two_k, ps, _ = kv_pages.shape
@@ -316,6 +346,8 @@ def _ref_prefill_chunks(
     cu = meta.cu_q_lens
     q_len = cu[1:] - cu[:-1]
     is_pf = (jnp.arange(s_max) < meta.num_seqs[0]) & (q_len >= 2)
+    if by_row is not None:
+        is_pf &= ~by_row
     n_chunks = jnp.where(is_pf, (q_len + bq - 1) // bq, 0)
     cum = jnp.cumsum(n_chunks)
     n_items = cum[-1]
@@ -384,6 +416,19 @@ def _ref_prefill_chunks(
     return lax.fori_loop(0, (n_items + nb - 1) // nb, batch, out)
 
 
+def _sequences_by_row(meta: RaggedMeta, seq: jax.Array, valid: jax.Array) -> jax.Array:
+    """bool [S_max]: the real sequences whose tokens are computed as decode rows: q_len == 1, and those marked in
+    meta.by_row with q_len <= meta.row_q_max and no token in an image block (a block's tokens also see the keys
+    after them, which a decode row never does)."""
+    s_max = meta.kv_lens.shape[0]
+    q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+    marked = meta.by_row & (q_lens <= meta.row_q_max)
+    if meta.block_lo is not None:
+        in_block = valid & (meta.block_lo <= meta.block_hi)
+        marked &= ~jnp.zeros(s_max, bool).at[seq].max(in_block)
+    return (jnp.arange(s_max) < meta.num_seqs[0]) & ((q_lens == 1) | marked)
+
+
 def ragged_paged_attention_ref(
     q: jax.Array,
     k_new: jax.Array | None,
@@ -427,16 +472,22 @@ def ragged_paged_attention_ref(
         "v_scale": v_scale,
         "kv_dtype": dt,
     }
-    rows, dec = _ref_decode_rows(q, kv_pages, meta, seq, pos, valid, block_kv=dec_block_kv, **kw)
+    by_row = row_tokens = None
+    if meta.by_row is not None and meta.row_q_max > 1 and not meta.decode_only:
+        by_row = _sequences_by_row(meta, seq, valid)
+        row_tokens = valid & by_row[seq]
+    rows, dec = _ref_decode_rows(q, kv_pages, meta, seq, pos, valid, block_kv=dec_block_kv, row_tokens=row_tokens,
+                                 **kw)
     if meta.decode_only:  # row i is token i (padding rows come out zero)
         return dec.astype(q.dtype), kv_pages
     out = jnp.zeros(q.shape, jnp.float32).at[rows].set(dec, mode="drop")
     # An all-decode step (the common one) skips the prefill machinery (its pads, prefix sums and copies) entirely.
     q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
-    any_prefill = jnp.any((jnp.arange(q_lens.shape[0]) < meta.num_seqs[0]) & (q_lens >= 2))
+    pf = (jnp.arange(q_lens.shape[0]) < meta.num_seqs[0]) & (q_lens >= 2)
+    any_prefill = jnp.any(pf if by_row is None else pf & ~by_row)
     out = lax.cond(any_prefill,
                    lambda o: _ref_prefill_chunks(q, kv_pages, meta, o, block_q=block_q, block_kv=block_kv,
-                                                 items=prefill_items or PREFILL_ITEMS, **kw),
+                                                 items=prefill_items or PREFILL_ITEMS, by_row=by_row, **kw),
                    lambda o: o, out)
     return out.astype(q.dtype), kv_pages
 

@@ -158,10 +158,33 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], Any], norm_dtype=f32,
 
 # ---------------------------------------------------------------------------- numerics helpers
 
+def fixed_order_sum(x: Array) -> Array:
+    """Sum over the last axis (kept, size 1) by a fixed tree of elementwise adds: halves are added until one column
+    is left (an odd width first adds its last column into its first). Each row's result depends on that row alone,
+    whatever the shape around it."""
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        if n % 2:
+            x = jnp.concatenate([x[..., :1] + x[..., n - 1:], x[..., 1:n - 1]], axis=-1)
+            n -= 1
+        x = x[..., :n // 2] + x[..., n // 2:]
+    return x
+
+
+def row_mean(x: Array) -> Array:
+    """Mean over the last axis (kept). On XLA:CPU by `fixed_order_sum`: there a reduce's bits for a row change with
+    the array's size (measured on a Zen 3, [1, T, 4, H] float32: from 4,096 elements on, e.g. H=64 from 16 tokens,
+    at -O0 and at the default level), so the same token got other bits in a step of more tokens, and speculative
+    verification (more tokens a step) left plain decoding's tokens after fp8 rounding. Elsewhere: jnp.mean."""
+    n = x.shape[-1]
+    return jax.lax.platform_dependent(
+        x, cpu=lambda v: fixed_order_sum(v) / n, default=lambda v: jnp.mean(v, axis=-1, keepdims=True))
+
+
 def rms_norm(x: Array, w: Array | None, eps: float) -> Array:
     """HF RMSNorm: float32 math, weight (float32) applied before casting back to x.dtype. w=None: no weight."""
     xf = x.astype(f32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)
     if w is not None:
         y = y * w.astype(f32)
     return y.astype(x.dtype)

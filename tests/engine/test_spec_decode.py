@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import gemmajax
-from gemmajax.cpu_features import cpu_flags
 from gemmajax.engine import sampler as S
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.sampling_params import SamplingParams
@@ -324,21 +323,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
           "required": ["a", "b"], "additionalProperties": False}
 
 
-# Known failure, not understood yet: on a 2-core AMD EPYC Zen 3 (AVX2, no AVX-512; 2026-12-06) the fp8 case's first
-# request (unconstrained, sampled at 0.8, seed 0) left the plain engine's tokens at its 4th token (229450 against
-# 229456), at a731238 as at later commits; the float32 case passed there, and both passed on the AVX-512 machines.
-# A lead, not verified: a verify row (q_len >= 2) goes through the reference attention's prefill chunks
-# (_ref_prefill_chunks, einsum "bqkgh,bklh->bkgql", its own KV block size) and the plain engine's token through
-# its decode rows (_ref_decode_rows, "skgh,sklh->skgl"), so seeded sampling is equal only while XLA:CPU's code for
-# the two gives the same bits; nothing guarantees that, and a near-tie of the sampled scores shows where it does not.
-# Expected-to-fail on CPUs without AVX-512 only, not strict, so that it stays a check everywhere it held.
-_FP8_SPEC_XFAIL = pytest.mark.xfail(
-    "avx512f" not in cpu_flags(), strict=False,
-    reason="fp8 pages: seeded sampled tokens with n-gram drafting left the plain engine's on a Zen 3 CPU (AVX2)")
-
-
 @pytest.mark.parametrize("kv_dtype", [pytest.param("float32", marks=pytest.mark.slow),
-                                      pytest.param("fp8_e4m3", marks=_FP8_SPEC_XFAIL)])
+                                      "fp8_e4m3"])
 def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma4_tokenizer, kv_dtype,
                                                           monkeypatch):
     """n-gram drafting under a JSON schema (drafts the grammar forbids are cut, the rest verified under its masks)

@@ -484,12 +484,14 @@ def test_ref_decode_only_form(dt, window, bits, read_only):
 
 
 @pytest.mark.parametrize("in_window", [True, False])
-@pytest.mark.parametrize("window, block_q", [(None, None), (6, 4), (24, None)])
-def test_ref_bidirectional_blocks(window, block_q, in_window):
+@pytest.mark.parametrize("window, block_q, marked", [(None, None, False), (6, 4, False), (24, None, False),
+                                                     (6, 4, True), (None, None, True)])
+def test_ref_bidirectional_blocks(window, block_q, in_window, marked):
     """Image blocks (block_lo / block_hi): a query inside a block also sees the block's keys; Gemma 4's rule keeps
     the sliding window on them (AND(window, OR(causal, block))), the 12B's does not (OR(AND(causal, window),
     block)); tokens outside any block stay causal. Against the dense oracle with the same mask, and the causal
-    result differs (the mask matters)."""
+    result differs (the mask matters). marked: every sequence is marked for decode rows (RaggedMeta.by_row, room
+    for all their tokens); the ones holding a block still take the chunk path, which sees the block."""
     seqs = [(5, 14), (0, 9), (3, 1)]              # (cached, new): the third is a decode row
     case = make_case(seqs, n=4, nk=2, h=32, ps=8, dtype=jnp.float32, window=None, seed=3)
     blocks = {0: (8, 16), 1: (2, 5)}             # absolute positions [a, b] of one block per prefill sequence
@@ -503,6 +505,8 @@ def test_ref_bidirectional_blocks(window, block_q, in_window):
         t0 += ql
     meta = dataclasses.replace(case.meta, block_lo=jnp.asarray(lo), block_hi=jnp.asarray(hi),
                                block_in_window=in_window)
+    if marked:
+        meta = dataclasses.replace(meta, by_row=jnp.ones(case.meta.kv_lens.shape, bool), row_q_max=16)
     out, _ = _run(case.q, case.k_new, case.v_new, case.kv_pages, meta, impl="ref", sliding_window=window,
                   block_q=block_q)
     q = np.asarray(case.q, np.float64)
@@ -565,3 +569,64 @@ def test_ref_default_prefill_block_follows_tokens_per_sequence(monkeypatch, seqs
     t = _real_rows(case)
     np.testing.assert_allclose(np.asarray(out)[:t], want, rtol=2e-4, atol=2e-4)
     np.testing.assert_array_equal(np.asarray(out)[t:], 0.0)
+
+
+def _verify_draws(n: int, seed: int) -> list[dict]:
+    """Random verification steps: KV dtype and storage, heads, head size, page size, window, soft cap, k, and per
+    sequence a cached length and 0..k drafts (so 1..1 + k tokens, some sequences with none)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        dt = str(rng.choice(["f32", "bf16", "e5m2", "e4m3"]))
+        k = int(rng.integers(1, 6))
+        seqs = [(int(rng.integers(0, 120)), 1 + int(rng.integers(0, k + 1))) for _ in range(int(rng.integers(1, 5)))]
+        out.append({"dt": dt, "bits": dt != "f32" and bool(rng.integers(2)), "g": int(rng.choice([1, 2, 4, 8])),
+                    "nk": int(rng.choice([1, 2])), "h": int(rng.choice([32, 64, 128, 256])),
+                    "ps": int(rng.choice([8, 16])), "window": [None, int(rng.integers(3, 70))][int(rng.integers(2))],
+                    "soft_cap": [None, 30.0][int(rng.integers(2))], "k": k, "seqs": seqs,
+                    "s_max": len(seqs) + int(rng.integers(0, 3)), "seed": int(rng.integers(1 << 16))})
+    return out
+
+
+@pytest.mark.parametrize("d", _verify_draws(10, seed=2026), ids=lambda d: f"{d['dt']}-h{d['h']}-k{d['k']}")
+def test_ref_verification_rows_have_decode_bits(d):
+    """A speculative verification (sequences of 1 + k tokens marked in RaggedMeta.by_row) gives every token the
+    exact bits a one-token step of the same sequence slots gives it (decode_only, S_max rows), and what the naive
+    oracle gives. The engine's plain decoding equals speculative decoding through this (seeded sampling included);
+    the prefill-chunk form of the same tokens differed in the last bits on XLA:CPU."""
+    ks, vs = (0.5, 2.0) if d["dt"] in ("e5m2", "e4m3") else (1.0, 1.0)
+    case = make_case(d["seqs"], n=d["g"] * d["nk"], nk=d["nk"], h=d["h"], ps=d["ps"], dtype=DTYPES[d["dt"]],
+                     window=d["window"], s_max=d["s_max"], bits=d["bits"], seed=d["seed"], k_scale=ks, v_scale=vs,
+                     t_pad=sum(q for _, q in d["seqs"]) + 5)
+    kw = {"sm_scale": d["h"] ** -0.5, "sliding_window": d["window"], "soft_cap": d["soft_cap"], "k_scale": ks,
+          "v_scale": vs}
+    if case.kv_pages.dtype == jnp.uint8:
+        kw["kv_dtype"] = str(case.dtype)
+    marks = np.zeros(d["s_max"], bool)
+    marks[:len(d["seqs"])] = [q > 1 for _, q in d["seqs"]]
+    meta = dataclasses.replace(case.meta, by_row=jnp.asarray(marks), row_q_max=1 + d["k"])
+    out, pages = _run(case.q, case.k_new, case.v_new, case.kv_pages, meta, impl="ref", **kw)
+    out = np.asarray(out)
+    t = _real_rows(case)
+    np.testing.assert_allclose(out[:t], naive_attention(case, sm_scale=kw["sm_scale"], window=d["window"],
+                                                        soft_cap=d["soft_cap"]), rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(out[t:], 0.0)
+    check_pages_written(case, pages, ks, vs)
+    # token j of every sequence that has one, as the one query of a decode step over the same S_max slots
+    firsts = np.cumsum([0] + [q for _, q in d["seqs"]])
+    compared = 0
+    for j in range(1 + d["k"]):
+        live = [s for s, (_, q) in enumerate(d["seqs"]) if q > j]
+        if not live:
+            break
+        tables = [np.asarray(case.meta.page_indices[s]) for s in live]
+        dec = make_ragged_meta([1] * len(live), [d["seqs"][s][0] + j + 1 for s in live], tables,
+                               max_num_seqs=d["s_max"], pages_per_seq=case.meta.page_indices.shape[1])
+        dec = dataclasses.replace(dec, decode_only=True)
+        q = np.zeros((d["s_max"],) + case.q.shape[1:], np.float32)
+        q[:len(live)] = np.asarray(case.q)[[firsts[s] + j for s in live]]
+        got, _ = _run_read_only(jnp.asarray(q), pages, dec, impl="ref", **kw)
+        np.testing.assert_array_equal(np.asarray(got)[:len(live)], out[[firsts[s] + j for s in live]],
+                                      err_msg=f"token {j} of sequences {live}")
+        compared += len(live)
+    assert compared == t
