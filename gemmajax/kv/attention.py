@@ -239,10 +239,7 @@ def _prefill_block_kv(t_pad: int, s_max: int) -> int:
     return 32 if t_pad <= 32 * s_max else 64
 
 
-def _ref_decode_rows(
-    q, kv_pages, meta, seq, pos, valid, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale, block_kv, kv_dtype,
-    row_tokens=None,
-):
+def _ref_decode_rows(q, kv_pages, meta, seq, pos, valid, *, row_tokens=None, **kw):
     """Attention for the tokens of sequences with q_len == 1 (and, with `row_tokens`, the tokens marked there), each
     token a row of its own that attends over its sequence's KV up to its own position.
 
@@ -251,11 +248,13 @@ def _ref_decode_rows(
     change with the number of rows batched with it (measured: 3 against 8 rows, float32 and fp8 pages, last bits).
 
     Cost per group: O(S_max * span * (2K + 2N) * H) where span is the KV range from the earliest window start to the
-    furthest row position in the group (one gather of [S_max, block_kv] KV tokens per KV block).
+    furthest row position in the group (one gather of [S_max, block_kv] KV tokens per KV block). kw: the keyword
+    arguments of `_decode_row_group` (sm_scale ... block_kv, kv_dtype).
     Returns: (rows int32 [R] token index or T for unused, out f32 [R, N, H]).
     """
     t_pad = q.shape[0]
     s_max = meta.page_indices.shape[0]
+    group = functools.partial(_decode_row_group, q, kv_pages, meta, seq, pos, **kw)
     if meta.decode_only:  # token i is sequence i's query
         rows = jnp.where(valid, jnp.arange(s_max, dtype=jnp.int32), t_pad)
     elif row_tokens is None:
@@ -264,14 +263,9 @@ def _ref_decode_rows(
     else:
         n_groups = -(-min(t_pad, s_max * meta.row_q_max) // s_max)
         rows = jnp.nonzero(row_tokens, size=n_groups * s_max, fill_value=t_pad)[0].astype(jnp.int32)
-        one = functools.partial(_decode_row_group, q, kv_pages, meta, seq, pos, sm_scale=sm_scale,
-                                sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-                                block_kv=block_kv, kv_dtype=kv_dtype)
-        out = lax.map(one, rows.reshape(n_groups, s_max))
+        out = lax.map(group, rows.reshape(n_groups, s_max))
         return rows, out.reshape(n_groups * s_max, *q.shape[1:])
-    return rows, _decode_row_group(q, kv_pages, meta, seq, pos, rows, sm_scale=sm_scale,
-                                   sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-                                   v_scale=v_scale, block_kv=block_kv, kv_dtype=kv_dtype)
+    return rows, group(rows)
 
 
 def _decode_row_group(

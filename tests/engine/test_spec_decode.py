@@ -323,8 +323,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
           "required": ["a", "b"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("kv_dtype", [pytest.param("float32", marks=pytest.mark.slow),
-                                      "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", [pytest.param("float32", marks=pytest.mark.slow), "fp8_e4m3"])
 def test_ngram_with_a_grammar_and_fp8_pages_equals_plain(real_vocab_model, gemma4_tokenizer, kv_dtype,
                                                           monkeypatch):
     """n-gram drafting under a JSON schema (drafts the grammar forbids are cut, the rest verified under its masks)
