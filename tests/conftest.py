@@ -33,14 +33,63 @@ def gguf_file():
 
 @pytest.fixture(scope="session")
 def hf_270m_float32(gguf_file):
-    """transformers' own reading of the real GGUF, float32, eager attention (~45 s: it dequantizes every tensor in
-    Python): loaded once for the modules that compare against it (tests/model/test_gguf.py, test_real_gemma3.py)."""
+    """transformers' own reading of the real GGUF, float32, eager attention: loaded once for the modules that compare
+    against it (tests/model/test_gguf.py, test_real_gemma3.py). Reading the GGUF takes transformers ~45-60 s (it
+    dequantizes every tensor in Python), and `make test`'s two workers each need it when those files go to different
+    workers, so the first reading is saved beside the GGUF (safetensors, keyed by the GGUF's checksum stamp and the
+    transformers version) under a file lock, and later readers load that copy: the same tensors, in ~3 s."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    return _hf_270m_float32(gguf_file, torch, transformers)
+
+
+def _hf_270m_float32(gguf_file, torch, transformers):
+    import fcntl
+    import hashlib
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_model
+
     d, name = os.path.split(gguf_file)
-    m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
-                                                          attn_implementation="eager")
-    return m.eval()
+    stamp = os.path.join(d, name + ".sha256")
+    key = str(os.stat(gguf_file).st_size)
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            key = f.read().strip()
+    key = hashlib.sha256(f"{key} {transformers.__version__}".encode()).hexdigest()[:16]
+    saved = os.path.join(d, f"hf-float32-{name}-{key}")
+
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # the other worker waits for the first reading instead of repeating it
+        if os.path.isfile(os.path.join(saved, "done")):
+            # transformers will not save_pretrained a model read from a GGUF (it counts as quantized): its config
+            # and tensors were saved as they are, and go back into a model built from that config
+            with open(os.path.join(saved, "config.json")) as f:
+                cfg = transformers.AutoConfig.for_model(**json.load(f))
+            m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+            missing, unexpected = m.load_state_dict(load_file(os.path.join(saved, "model.safetensors")), strict=False)
+            tied = m.get_output_embeddings().weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
+            if unexpected or len(missing) > 1 or set(missing) - {"lm_head.weight", "model.embed_tokens.weight"} \
+                    or not tied:   # the tied head and embedding are one tensor, saved under one of their names
+                raise RuntimeError(f"{saved}: missing {missing}, unexpected {unexpected}: delete it to read the GGUF")
+            return m.eval()
+        m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+        part = f"{saved}.{os.getpid()}.part"
+        try:
+            os.makedirs(part)
+            c = m.config.to_dict()
+            c.pop("quantization_config", None)
+            with open(os.path.join(part, "config.json"), "w") as f:
+                json.dump(c, f)
+            save_model(m, os.path.join(part, "model.safetensors"))
+            open(os.path.join(part, "done"), "w").close()
+            shutil.rmtree(saved, ignore_errors=True)
+            os.replace(part, saved)
+        except OSError:   # a read-only cache directory only loses the copy
+            shutil.rmtree(part, ignore_errors=True)
+        return m
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 
 import gemmajax
 from gemmajax.engine.llm import LLM
-from tests.golden.hf_models import save_real_vocab_checkpoint
+from tests.golden.hf_models import E2B_SMALL, save_real_vocab_checkpoint
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -17,7 +17,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, gguf_file):
-    return save_real_vocab_checkpoint(str(tmp_path_factory.mktemp("api_e2b")), gguf_file, "e2b", seed=5)
+    return save_real_vocab_checkpoint(str(tmp_path_factory.mktemp("api_e2b")), gguf_file, "e2b", seed=5, **E2B_SMALL)
 
 
 def _llm(ckpt, **kw):

@@ -10,7 +10,7 @@ from gemmajax.engine import sampler as S
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.spec_decode import SpecConfig, accepted_tokens, ngram_propose
-from tests.golden.hf_models import build_hf, save_text_checkpoint
+from tests.golden.hf_models import E2B_SMALL, build_hf, save_text_checkpoint
 
 
 def test_ngram_propose_hand_computed():
@@ -85,7 +85,7 @@ def test_coupled_verification_keeps_the_target_distribution(temp, top_k, top_p):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    m, cfg = build_hf("e2b", seed=7)
+    m, cfg = build_hf("e2b", seed=7, **E2B_SMALL)
     return gemmajax.load_model(save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("spec_e2b"))), "float32")
 
 
@@ -202,7 +202,7 @@ def test_ngram_with_preemption_abort_and_seeded_sampling(model, gemma4_tokenizer
     # middle of speculation (the seeded sampled request r2 drafts and is preempted), and an abort of a running,
     # drafting request
     trace = {}
-    small, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=130_000,
+    small, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, kv_cache_memory=95_000,
                                abort_at=(15, "r3"), trace=trace, **kw)
     assert eng.spec.num_pages == (5, 17) and eng.scheduler.num_preemptions > 0
     assert "r2" in trace["preempted"] and "r2" in trace["drafted"], trace
@@ -313,7 +313,7 @@ def test_spec_stats_on_metrics(model, gemma4_tokenizer):
 def real_vocab_model(tmp_path_factory):
     """E2B-like over the real 262,144-token vocabulary (a grammar's tokens must exist in the model's vocabulary)."""
     from tests.golden.hf_models import REAL_VOCAB, VARIANTS, build_hf_config
-    m, cfg = build_hf_config(dict(VARIANTS["e2b"], family="gemma4", vocab_size=REAL_VOCAB,
+    m, cfg = build_hf_config(dict(VARIANTS["e2b"], **E2B_SMALL, family="gemma4", vocab_size=REAL_VOCAB,
                                   vocab_size_per_layer_input=REAL_VOCAB), seed=7)
     return gemmajax.load_model(save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("spec_rv"))), "float32")
 
