@@ -37,7 +37,7 @@ def hf_270m_float32(gguf_file):
     against it (tests/model/test_gguf.py, test_real_gemma3.py). Reading the GGUF takes transformers ~45-60 s (it
     dequantizes every tensor in Python), and `make test`'s two workers each need it when those files go to different
     workers, so the first reading is saved beside the GGUF (safetensors, keyed by the GGUF's checksum stamp and the
-    transformers version) under a file lock, and later readers load that copy: the same tensors, in ~3 s."""
+    transformers version) under a file lock, and later readers load that copy: the same tensors, in ~10 s."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     return _hf_270m_float32(gguf_file, torch, transformers)
@@ -60,7 +60,15 @@ def _hf_270m_float32(gguf_file, torch, transformers):
     key = hashlib.sha256(f"{key} {transformers.__version__}".encode()).hexdigest()[:16]
     saved = os.path.join(d, f"hf-float32-{name}-{key}")
 
-    with open(saved + ".lock", "w") as lock:
+    def read_gguf():
+        return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+
+    try:
+        lock = open(saved + ".lock", "w")  # noqa: SIM115 — held open for the block below
+    except OSError:   # a read-only cache directory: no copy
+        return read_gguf()
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # the other worker waits for the first reading instead of repeating it
         if os.path.isfile(os.path.join(saved, "done")):
             # transformers will not save_pretrained a model read from a GGUF (it counts as quantized): its config
@@ -74,8 +82,7 @@ def _hf_270m_float32(gguf_file, torch, transformers):
                     or not tied:   # the tied head and embedding are one tensor, saved under one of their names
                 raise RuntimeError(f"{saved}: missing {missing}, unexpected {unexpected}: delete it to read the GGUF")
             return m.eval()
-        m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+        m = read_gguf()
         part = f"{saved}.{os.getpid()}.part"
         try:
             os.makedirs(part)
@@ -87,7 +94,7 @@ def _hf_270m_float32(gguf_file, torch, transformers):
             open(os.path.join(part, "done"), "w").close()
             shutil.rmtree(saved, ignore_errors=True)
             os.replace(part, saved)
-        except OSError:   # a read-only cache directory only loses the copy
+        except Exception:  # noqa: BLE001 — a read-only or full cache directory only loses the copy
             shutil.rmtree(part, ignore_errors=True)
         return m
 
