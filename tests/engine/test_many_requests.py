@@ -23,7 +23,8 @@ N_REQUESTS = 240
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, gemma4_tokenizer):
-    m, cfg = build_hf_config(dict(VARIANTS["e2b"], **E2B_SMALL, family="gemma4"), seed=11)  # outputs that move (BLOCK_GAIN)
+    # outputs that move (BLOCK_GAIN)
+    m, cfg = build_hf_config(dict(VARIANTS["e2b"], **E2B_SMALL, family="gemma4"), seed=11)
     path = save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("e2b")))
     llm = gemmajax.LLM(path, dtype="float32", kv_dtype="float32", max_model_len=64, max_num_seqs=16,
                        max_num_batched_tokens=64, page_size=8, kv_cache_memory=1 << 24, tokenizer=gemma4_tokenizer)

@@ -52,9 +52,10 @@ VARIANTS: dict[str, dict] = {
 # Overrides of VARIANTS["e2b"] for the engine files that compile dozens of step programs: E2B's features (per-layer
 # embeddings, KV-shared sliding and full layers, one KV head, the double-wide MLP) in 6 layers with a 2:1 pattern
 # instead of 10 with 4:1. A step program's compile time grows with its layers (each layer its own attention code;
-# attention is about 2/3 of a tiny model's mixed-step compile). Cold compile caches, Zen 3, 2026-12-06, under make
-# test's two workers -> the file alone: test_spec_decode.py 332 -> 240 s, test_many_requests.py 158 -> 112,
-# test_api_contract.py 143 -> 94 (not the same load: the full suite's figures are in the README).
+# attention is about 2/3 of a tiny model's mixed-step compile). Measured under make test with empty caches (Zen 3,
+# 2026-12-06, 10 layers -> 6): test_many_requests.py 158 -> 104 s, test_api_contract.py 143 -> 116, but
+# test_spec_decode.py 332 -> 336, and the suite's total did not move (1875 -> 1893 s): per-file times under two
+# workers vary by as much (docs/cpu_notes_2026-12-06.md, last section).
 E2B_SMALL = {"num_hidden_layers": 6, "layer_types": _period(6, 3), "num_kv_shared_layers": 3}
 
 GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
