@@ -61,9 +61,9 @@ from gemmajax.quant.int4_matmul import (
     _compute_dtype,
     _dequant_t,
     _precision,
+    int4_matmul_cpu,
     int4_matmul_gpu,
     int4_matmul_ref,
-    int4_matmul_xla,
 )
 from gemmajax.quant.int8_matmul import (
     WIDE_MIN_ROWS,
@@ -481,7 +481,7 @@ def _matmul_cpu(x: jax.Array, w: Weight) -> jax.Array:
     """The CPU's 2-D forms for one expert: x [C, K] @ w [N, K].T -> [C, N] in x.dtype."""
     if isinstance(w, QuantArray):
         if w.kind == "int4":
-            return int4_matmul_xla(x, w)
+            return int4_matmul_cpu(x, w)
         # 2-63 rows keep the group loop: "wide" from 2 rows (int8_matmul.wide_pays) was measured for dense layers,
         # not for one expert's item inside the expert loop
         rows = x.reshape(-1, x.shape[-1]).shape[0]

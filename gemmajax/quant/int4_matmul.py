@@ -66,6 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gemmajax.cpu_features import native_bf16_dot
 from gemmajax.quant.array import QuantArray
 from gemmajax.quant.int8_matmul import after, materialize
 from gemmajax.quant.quantize import dequantize
@@ -412,13 +413,25 @@ def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: t
 
 
 _CONCURRENT = 4  # tiles per loop iteration of the GEMM forms: independent chains XLA:CPU's runtime overlaps
+# float32 tiles: 2 per iteration, the same bytes in cache as 4 bf16 ones. Measured on a 2-core AMD EPYC Zen 3 (AVX2,
+# no bf16 hardware; jax 0.10.2, load 0.4-1.4, min / median of 15-20 alternating calls, ms): the 640 x 262,144 head,
+# bf16 x, float32 tiles by 2 / by 4 / bf16 tiles by 4 (today's bf16 form) / a plain bf16 weight: 16 rows 69.0 / 84.8
+# / 87.3 / 79.0 (medians 78.0 / 98.3 / 99.5 / 83.8), 64 rows 213 / 232 / 273 / 249, 256 rows 792 / 811 / 1137 / 991.
+_F32_CONCURRENT = 2
+# bf16 x on a CPU without bf16 hardware (cpu_features.native_bf16_dot): the tiles form multiplies float32 tiles by
+# the float32 activations from this many rows (the same products: bf16 values are exact in float32). Zen 3, as
+# above: the head at 2 / 4 / 8 rows 34.7 / 38.8 / 62.3 ms this way, 29.0 / 40.0 / 64.4 with bf16 tiles; 16 rows of
+# one-tile layer weights (bf16 tiles / float32): 640 x 2048 0.89 / 0.70, 2048 x 640 1.07 / 1.10, 640 x 1024 0.46 /
+# 0.38, 1024 x 640 0.57 / 0.51, 640 x 256 0.20 / 0.20
+_F32_TILES_MIN_M = 16
 
 
-def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _CONCURRENT,
+def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | None = None,
            out_dtype=jnp.float32) -> jax.Array:
     """x2 [M, in_p] -> [M, N] (f32, or out_dtype bf16): a loop over tiles of `tile` weight rows (_tile_product),
     `concurrent` of them per iteration as independent chains (XLA:CPU runs one chain's dequantization beside another's
-    GEMM; `concurrent` dequantized tiles are live at once: 10.5 MB in bf16 for in 640), written into the output in
+    GEMM; `concurrent` dequantized tiles are live at once: 10.5 MB in bf16 for in 640; None: _CONCURRENT for bf16
+    x2, _F32_CONCURRENT for float32, the same bytes), written into the output in
     place; the rows left after the loop are done after it. The loop keeps the iteration's dequantized copies in cache
     (an unrolled sequence is fused by XLA into one whole-weight copy).
     out_dtype bf16: each tile is rounded as it is written and the output carried as its uint16 bits (a bf16 loop
@@ -427,6 +440,8 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
     after the loop, 36 ms this way."""
     n, m = w.padded_out, x2.shape[0]
     v, s, g, live, short = w.values, w.scale, w.group, _live(w), w.short_scales
+    if concurrent is None:
+        concurrent = _CONCURRENT if x2.dtype == jnp.bfloat16 else _F32_CONCURRENT
     step = tile * concurrent
     full = n // step
     bf = jnp.dtype(out_dtype) == jnp.bfloat16
@@ -462,15 +477,17 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int = _C
     return lax.bitcast_convert_type(y, jnp.bfloat16) if bf else y
 
 
-def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
+def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot: bool = True) -> jax.Array:
     """XLA w4a16 (CPU). x [..., in], w int4 QuantArray [out, in] -> [..., out] in x.dtype. form:
       "rows"   one fused matrix-vector pass per row of x, reading the packed weight (no copy of it);
       "tiles"  tiles of 2,048 weight rows dequantized (exactly, into the activations' dtype) and multiplied by
-               YNNPACK GEMMs: native bf16 for bf16 x, float32 for float32 x;
+               YNNPACK GEMMs: native bf16 for bf16 x, float32 for float32 x; with bf16_dot=False (a CPU without bf16
+               hardware, int4_matmul_cpu) bf16 x from _F32_TILES_MIN_M rows takes float32 tiles too (measured);
       "auto"   "rows" up to _ROW_LOOP_MAX_M rows (measured crossovers; module docstring), else "tiles".
-    "bf16" and "dense" are the old names of "tiles" (bf16 x only / float32 x), kept for callers.
+    "bf16" (bf16 x only, bf16 tiles always) and "dense" (float32 x) are older names of "tiles", kept for callers.
     Every form multiplies the activations in their compute dtype (bf16 values for bf16 x, x itself otherwise) by
-    the bf16-valued weight with float32 sums: the reference's products for either dtype.
+    the bf16-valued weight with float32 sums: the reference's products for either dtype (float32 tiles multiply
+    the same bf16 values, exactly).
     """
     _check(x, w)
     xb = _pad_x(x.reshape(-1, x.shape[-1]), w)
@@ -480,6 +497,8 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
                          f"would change the float32 model's products); use 'tiles' or 'auto'")
     if form == "auto":
         form = "rows" if m <= _ROW_LOOP_MAX_M else "tiles"
+    if form == "tiles" and xb.dtype == jnp.bfloat16 and not bf16_dot and m >= _F32_TILES_MIN_M:
+        return _finish(_tiles(xb.astype(jnp.float32), w, out_dtype=jnp.bfloat16), x, w)
     if form in ("tiles", "bf16", "dense"):
         return _finish(_tiles(xb, w, out_dtype=xb.dtype), x, w)  # xb: bf16 for bf16 x, else float32
     if form != "rows":
@@ -487,6 +506,13 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
     x2 = materialize(xb.astype(jnp.float32))
     y = jnp.concatenate([_one_row(x2[i:i + 1], w, separate=m > 1) for i in range(m)], axis=0)
     return _finish(y, x, w)
+
+
+def int4_matmul_cpu(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
+    """int4_matmul_xla for this host's CPU: bf16 tiles only where the CPU multiplies bf16 in hardware
+    (cpu_features.native_bf16_dot, read when traced: JAX reuses a trace for the same shapes, so the answer is the
+    process's first); elsewhere float32 tiles from _F32_TILES_MIN_M rows (measured: _F32_CONCURRENT's comment)."""
+    return int4_matmul_xla(x, w, form=form, bf16_dot=native_bf16_dot())
 
 
 def int4_matmul_gpu(x: jax.Array, w: QuantArray) -> jax.Array:
@@ -507,9 +533,10 @@ def int4_matmul(x: jax.Array, w: QuantArray, impl: str = "auto") -> jax.Array:
     """
     if impl == "auto":
         return lax.platform_dependent(x, w, tpu=int4_matmul_pallas, cuda=int4_matmul_gpu, rocm=int4_matmul_gpu,
-                                      default=int4_matmul_xla)
+                                      cpu=int4_matmul_cpu, default=int4_matmul_xla)
     if impl == "xla":
-        return lax.platform_dependent(x, w, cuda=int4_matmul_gpu, rocm=int4_matmul_gpu, default=int4_matmul_xla)
+        return lax.platform_dependent(x, w, cuda=int4_matmul_gpu, rocm=int4_matmul_gpu, cpu=int4_matmul_cpu,
+                                      default=int4_matmul_xla)
     if impl == "pallas":
         return int4_matmul_pallas(x, w)
     if impl == "pallas_interpret":
