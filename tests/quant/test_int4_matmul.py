@@ -199,6 +199,53 @@ def test_tiles_concurrent_iterations_and_tail_exact(xdtype):
         assert np.array_equal(np.asarray(got.astype(jnp.float32)), exact), conc
 
 
+@pytest.mark.parametrize("m", [3, 15, 16, 40])
+def test_tiles_in_float32_without_bf16_hardware(m):
+    """bf16_dot=False (int4_matmul_cpu on a CPU without bf16 hardware): from _F32_TILES_MIN_M rows of bf16 x the
+    tiles form multiplies float32 tiles by float32 activations, 2 tiles per loop iteration (n: 4 iterations of 2,
+    or 2 of 4, then a whole tile and a partial one); below it, and always with bf16_dot=True, bf16 ones. Every way
+    gives the reference's bits on exact data (the same products) in bf16, and random data within the bf16 forms'
+    tolerance."""
+    from gemmajax.quant.int4_matmul import _F32_TILES_MIN_M
+    from tests.quant.test_int8_matmul import _dot_operand_dtypes
+    assert _F32_TILES_MIN_M == 16  # the cases' premise: 15 rows stay bf16, 16 do not
+    xe, qe = _exact_case(m, 256, 2 * 8192 + 2048 + 300, seed=70 + m)
+    exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
+    for form in ("tiles", "auto"):
+        for bf16_dot in (False, True):
+            f = lambda x, q, fo=form, b=bf16_dot: int4_matmul_xla(x, q, form=fo, bf16_dot=b)
+            dots = set(_dot_operand_dtypes(f, xe, qe))
+            assert dots == ({"float32,float32"} if m >= 16 and not bf16_dot else {"bfloat16,bfloat16"}), (form, dots)
+            y = jax.jit(f)(xe, qe)
+            assert y.dtype == jnp.bfloat16 and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), form
+    x, q = _data(m, 640, 1536, seed=m, xdtype=jnp.bfloat16)
+    ref = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
+    y = jax.jit(lambda x, q: int4_matmul_xla(x, q, bf16_dot=False))(x, q)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=8e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_cpu_int4_matmul_follows_the_cpus_bf16_hardware(monkeypatch, flag):
+    """int4_matmul on the CPU (impl "auto" and "xla", and the expert loop's one-expert matmul) takes bf16 tiles at
+    16 rows only where the CPU has bf16 hardware (cpu_features.native_bf16_dot, here forced by
+    GEMMAJAX_CPU_BF16_DOT): the program the CPU compiles has float32 dots without it. Read when traced, and JAX
+    reuses a platform_dependent branch's trace for the same shapes, so each flag gets its own row count."""
+    import re
+
+    from gemmajax.quant.gmm import _matmul_cpu
+    monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", flag)
+    m = 16 + int(flag)
+    x, q = _data(m, 256, 2048 + 64, seed=9, xdtype=jnp.bfloat16)
+    ref = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
+    for name, f in (("auto", lambda x, q: int4_matmul(x, q, "auto")), ("xla", lambda x, q: int4_matmul(x, q, "xla")),
+                    ("expert", _matmul_cpu)):
+        hlo = jax.jit(f).lower(x, q).as_text()
+        dots = re.findall(r"dot_general[^\n]*?: \(tensor<[0-9x]+x(bf16|f32)>, tensor<[0-9x]+x(bf16|f32)>\)", hlo)
+        assert dots and set(dots) == {("bf16", "bf16") if flag == "1" else ("f32", "f32")}, (name, set(dots))
+        y = np.asarray(jax.jit(f)(x, q).astype(jnp.float32))
+        np.testing.assert_allclose(y, ref, rtol=8e-3, atol=4e-3, err_msg=name)
+
+
 @pytest.mark.parametrize("concurrent", [1, 2, 3, 4])
 def test_tiles_every_split_of_loop_and_tail(concurrent):
     """Small tiles (64 rows) so every case is cheap: n = 2 loop iterations' rows plus 0..3 whole tiles plus 0 or a
