@@ -55,6 +55,10 @@ stays in cache for bf16, so it wins there; the whole step (weights from memory) 
 
 "auto": rows up to 4 rows, or up to 8 rows of a weight of 2 MiB packed or more; else "bf16" (bf16 activations)
 or "dense" (float32 activations: not measured for speed; the only float32 GEMM form, exact float32 products).
+
+Since 2026-12-06 "auto" is "rows" for one row and "tiles" (the bf16 / dense forms above, one function) from two; on a
+CPU without bf16 hardware (int4_matmul_cpu) bf16 activations take float32 tiles from 16 rows, two per loop
+iteration (Zen 3: the 16-row head 69.0 against 87.3 ms; figures by _F32_CONCURRENT; docs/cpu_notes_2026-12-06.md).
 """
 from __future__ import annotations
 
