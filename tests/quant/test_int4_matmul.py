@@ -184,19 +184,37 @@ def test_tiles_loop_and_tail(xdtype):
 
 @pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
 def test_tiles_concurrent_iterations_and_tail_exact(xdtype):
-    """Two loop iterations of 4 concurrent 2,048-row tiles, then a whole tile and a partial one after the loop
-    (n = 2 x 8,192 + 2,048 + 300), the bf16 output carried as uint16 bits: exact arithmetic, so the reference's bits
-    in every row (a tile written to the wrong place, a dropped tail or a double rounding fails), and the same bits
-    as one tile per iteration."""
+    """Two loop iterations of 4 concurrent 2,048-row tiles (bf16 x; float32 x: four of 2), then a whole tile and a
+    partial one after the loop (n = 2 x 8,192 + 2,048 + 300), the bf16 output carried as uint16 bits: exact
+    arithmetic, so the reference's bits in every row (a tile written to the wrong place, a dropped tail or a double
+    rounding fails), and the same bits at 4, 2 and 1 tiles per iteration."""
     from gemmajax.quant.int4_matmul import _finish, _pad_x, _tiles
     xe, qe = _exact_case(3, 256, 2 * 8192 + 2048 + 300, seed=61)
     xe = xe.astype(xdtype)
     exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
     y = jax.jit(lambda x, q: int4_matmul_xla(x, q, form="tiles"))(xe, qe)
     assert y.dtype == xdtype and np.array_equal(np.asarray(y.astype(jnp.float32)), exact)
-    for conc in (4, 1):  # the defaults stated, then one tile per iteration
+    for conc in (None, 4, 2, 1):  # the dtype's default, then each count
         got = jax.jit(lambda x, q, c=conc: _finish(_tiles(_pad_x(x, q), q, 2048, c, x.dtype), x, q))(xe, qe)
         assert np.array_equal(np.asarray(got.astype(jnp.float32)), exact), conc
+
+
+def _loop_dots(f, *args) -> int:
+    """The dot_generals inside the body of f's one loop (the tiles form's fori_loop: a scan or a while), found at any
+    depth."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("while", "scan"):
+                yield e
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from walk(inner)
+    loops = list(walk(jax.make_jaxpr(f)(*args).jaxpr))
+    assert len(loops) == 1, loops
+    body = loops[0].params.get("body_jaxpr") or loops[0].params["jaxpr"]
+    return sum(e.primitive.name == "dot_general" for e in body.jaxpr.eqns)
 
 
 @pytest.mark.parametrize("m", [3, 15, 16, 40])
@@ -218,6 +236,8 @@ def test_tiles_in_float32_without_bf16_hardware(m):
             assert dots == ({"float32,float32"} if m >= 16 and not bf16_dot else {"bfloat16,bfloat16"}), (form, dots)
             y = jax.jit(f)(xe, qe)
             assert y.dtype == jnp.bfloat16 and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), form
+            # tiles per loop iteration: 2 float32 ones, 4 bf16 ones (two dots each, one per nibble half)
+            assert _loop_dots(f, xe, qe) == (4 if m >= 16 and not bf16_dot else 8), (form, bf16_dot)
     x, q = _data(m, 640, 1536, seed=m, xdtype=jnp.bfloat16)
     ref = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
     y = jax.jit(lambda x, q: int4_matmul_xla(x, q, bf16_dot=False))(x, q)
@@ -235,7 +255,7 @@ def test_cpu_int4_matmul_follows_the_cpus_bf16_hardware(monkeypatch, flag):
     from gemmajax.quant.gmm import _matmul_cpu
     monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", flag)
     m = 16 + int(flag)
-    x, q = _data(m, 256, 2048 + 64, seed=9, xdtype=jnp.bfloat16)
+    x, q = _data(m, 256, 3 * 2048 + 64, seed=9, xdtype=jnp.bfloat16)  # the tiles' loop and a tail
     ref = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
     for name, f in (("auto", lambda x, q: int4_matmul(x, q, "auto")), ("xla", lambda x, q: int4_matmul(x, q, "xla")),
                     ("expert", _matmul_cpu)):
