@@ -202,16 +202,8 @@ def test_tiles_concurrent_iterations_and_tail_exact(xdtype):
 def _loop_dots(f, *args) -> int:
     """The dot_generals inside the body of f's one loop (the tiles form's fori_loop: a scan or a while), found at any
     depth."""
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name in ("while", "scan"):
-                yield e
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-    loops = list(walk(jax.make_jaxpr(f)(*args).jaxpr))
+    from tests.quant.test_int8_matmul import _eqns
+    loops = [e for e in _eqns(jax.make_jaxpr(f)(*args).jaxpr) if e.primitive.name in ("while", "scan")]
     assert len(loops) == 1, loops
     body = loops[0].params.get("body_jaxpr") or loops[0].params["jaxpr"]
     return sum(e.primitive.name == "dot_general" for e in body.jaxpr.eqns)

@@ -228,18 +228,21 @@ def test_wide_form_with_groups_within_its_rounding(m, k, n):
     assert float(np.median(2.0**-8 * s / np.maximum(np.abs(np.asarray(ref, np.float64)), 1e-3))) < 0.3
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (jit, loops, conditionals) included, outer first."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
 def _dot_operand_dtypes(f, *args) -> list[str]:
     """The operand dtypes of every dot_general in f's jaxpr, nested ones included (e.g. ["bfloat16,bfloat16"])."""
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                yield ",".join(str(v.aval.dtype) for v in e.invars)
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-    return list(walk(jax.make_jaxpr(f)(*args).jaxpr))
+    return [",".join(str(v.aval.dtype) for v in e.invars) for e in _eqns(jax.make_jaxpr(f)(*args).jaxpr)
+            if e.primitive.name == "dot_general"]
 
 
 @pytest.mark.parametrize("g", [0, 128])
