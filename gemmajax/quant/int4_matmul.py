@@ -57,8 +57,10 @@ stays in cache for bf16, so it wins there; the whole step (weights from memory) 
 or "dense" (float32 activations: not measured for speed; the only float32 GEMM form, exact float32 products).
 
 Since 2026-12-06 "auto" is "rows" for one row and "tiles" (the bf16 / dense forms above, one function) from two; on a
-CPU without bf16 hardware (int4_matmul_cpu) bf16 activations take float32 tiles from 16 rows, two per loop
-iteration (Zen 3: the 16-row head 69.0 against 87.3 ms; figures by _F32_CONCURRENT; docs/cpu_notes_2026-12-06.md).
+CPU without bf16 hardware (int4_matmul_cpu) activations of either dtype take float32 tiles, two per loop iteration,
+each tile the GEMM's left operand (W . x^T) up to 128 rows (Zen 3, min ms: the 16-row head 60.3 this way, 87.6 with
+x . W^T float32 tiles, the form before, 108.7 with bf16 tiles; 126 layer GEMMs at 16 rows 21.8 against 32.6; figures
+by _F32_CONCURRENT and _LHS_MAX_M; docs/cpu_notes_2026-12-06.md).
 """
 from __future__ import annotations
 
@@ -400,20 +402,24 @@ _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 
 
 def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: tuple[int, int],
-                  short: bool = False) -> jax.Array:
+                  short: bool = False, lhs: bool = False) -> jax.Array:
     """x2 [M, in_p] (bf16 or float32) times one tile of packed rows v [C, in_p / 2] (scales s) -> f32 [M, C]: the
     tile's two halves dequantized (bf16(level * scale), in x2's dtype: exact) and one GEMM per half, XLA:CPU's
-    YNNPACK GEMM (native bf16 x bf16 -> f32 for bf16 x; float32 at HIGHEST for float32 x)."""
+    YNNPACK GEMM (native bf16 x bf16 -> f32 for bf16 x; float32 at HIGHEST for float32 x). lhs: the tile as the
+    GEMM's left operand (W . x^T -> [C, M], transposed back): the same products and sums, no packing of the tile."""
     h = v.shape[1]
     lo, hi = _halves(v, s, group, live, short)
     prec = None if x2.dtype == jnp.bfloat16 else lax.Precision.HIGHEST
 
     def gemm(xs, wh):
         wh = _as_bf16(wh) if x2.dtype == jnp.bfloat16 else wh
+        if lhs:
+            return lax.dot_general(wh, xs, _NT, precision=prec, preferred_element_type=jnp.float32)
         return lax.dot_general(xs, wh, _NT, precision=prec, preferred_element_type=jnp.float32)
 
     y = gemm(x2[:, :live[0]], lo)
-    return y if hi is None else y + gemm(x2[:, h:h + live[1]], hi)
+    y = y if hi is None else y + gemm(x2[:, h:h + live[1]], hi)
+    return y.T if lhs else y
 
 
 _CONCURRENT = 4  # tiles per loop iteration of the GEMM forms: independent chains XLA:CPU's runtime overlaps
@@ -422,16 +428,23 @@ _CONCURRENT = 4  # tiles per loop iteration of the GEMM forms: independent chain
 # bf16 x, float32 tiles by 2 / by 4 / bf16 tiles by 4 (today's bf16 form) / a plain bf16 weight: 16 rows 69.0 / 84.8
 # / 87.3 / 79.0 (medians 78.0 / 98.3 / 99.5 / 83.8), 64 rows 213 / 232 / 273 / 249, 256 rows 792 / 811 / 1137 / 991.
 _F32_CONCURRENT = 2
-# bf16 x on a CPU without bf16 hardware (cpu_features.native_bf16_dot): the tiles form multiplies float32 tiles by
-# the float32 activations from this many rows (the same products: bf16 values are exact in float32). Zen 3, as
-# above: the head at 2 / 4 / 8 rows 34.7 / 38.8 / 62.3 ms this way, 29.0 / 40.0 / 64.4 with bf16 tiles; 16 rows of
-# one-tile layer weights (bf16 tiles / float32): 640 x 2048 0.89 / 0.70, 2048 x 640 1.07 / 1.10, 640 x 1024 0.46 /
-# 0.38, 1024 x 640 0.57 / 0.51, 640 x 256 0.20 / 0.20
-_F32_TILES_MIN_M = 16
+# A CPU without bf16 hardware (cpu_features.native_bf16_dot false: int4_matmul_cpu) multiplies float32 tiles (bf16
+# activations widened: the same products, bf16 values are exact in float32), and up to this many rows with the tile
+# as the GEMM's left operand (W . x^T, then the small [C, M] product transposed): XLA:CPU's YNNPACK GEMM then reads
+# the tile as it is, where x . W^T first transposes every tile into its packed layout (perf: 21 % of a w4a16
+# 16-stream step in `ynn::transpose_x32`). Measured on a 2-core AMD EPYC Zen 3 (AVX2; jax 0.10.2; load 1.2-1.9 from
+# the measurements themselves, min / median ms of round-robin calls, 2026-12-06): Gemma 3 270M's 126 int4 layer
+# GEMMs chained (each its own buffer) at 2 / 8 / 16 / 32 / 64 / 128 / 256 rows, x . W^T float32 tiles from 16 rows
+# and bf16 below (the form until now) against W . x^T float32: 17.1 / 28.5 / 32.6 / 48.6 / 74.4 / 132.3 / 230.6
+# against 13.7 / 14.1 / 21.8 / 40.9 / 67.6 / 127.2 / 242.4; the 640 x 262,144 head, bf16 tiles by 4 / float32 by 2
+# / float32 W . x^T by 2: 2 rows 59.9 / 58.4 / 37.5, 8 rows 74.8 / 73.5 / 42.7, 16 rows 108.7 / 87.6 / 60.3, 64 rows
+# 306 / 225 / 207, 128 rows 525 / 371 / 379, 256 rows 1011 / 684 / 820. One row stays "rows" (the head 11.7 against
+# 20.7 ms W . x^T).
+_LHS_MAX_M = 128
 
 
 def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | None = None,
-           out_dtype=jnp.float32) -> jax.Array:
+           out_dtype=jnp.float32, lhs: bool = False) -> jax.Array:
     """x2 [M, in_p] -> [M, N] (f32, or out_dtype bf16): a loop over tiles of `tile` weight rows (_tile_product),
     `concurrent` of them per iteration as independent chains (XLA:CPU runs one chain's dequantization beside another's
     GEMM; `concurrent` dequantized tiles are live at once: 10.5 MB in bf16 for in 640; None: _CONCURRENT for bf16
@@ -441,7 +454,7 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | No
     out_dtype bf16: each tile is rounded as it is written and the output carried as its uint16 bits (a bf16 loop
     carry, or a convert of the float32 result after the loop, cost XLA:CPU 10 ms or more on the LM head). The
     640 x 262,144 LM head at M = 16 (AVX-512 Xeon, quiet, 512-bit vectors): 48 ms one tile at a time with the convert
-    after the loop, 36 ms this way."""
+    after the loop, 36 ms this way. lhs: each tile's GEMM as W . x^T (_tile_product)."""
     n, m = w.padded_out, x2.shape[0]
     v, s, g, live, short = w.values, w.scale, w.group, _live(w), w.short_scales
     if concurrent is None:
@@ -452,7 +465,7 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | No
     if not bf and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"_tiles: out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
     if n // tile <= 1:  # `after`: dequantized beside its GEMM, not hoisted (int8_matmul.after)
-        return _tile_product(x2, after(x2, v), s, g, live, short).astype(out_dtype)
+        return _tile_product(x2, after(x2, v), s, g, live, short, lhs).astype(out_dtype)
     if full < 2:  # concurrency only where the loop runs at least twice: a weight of fewer than 2 x `concurrent`
         step, full = tile, n // tile  # tiles goes tile by tile (else most of its dequantized copy is live at once)
 
@@ -469,14 +482,14 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | No
             vi = lax.dynamic_slice_in_dim(v, r0, tile, 0)
             si = lax.dynamic_slice_in_dim(s_in, r0, tile, 0)
             si = lax.bitcast_convert_type(si, jnp.bfloat16) if bits else si
-            parts.append(_tile_product(x2, vi, si, g, live, short))
+            parts.append(_tile_product(x2, vi, si, g, live, short, lhs))
         part = jnp.concatenate(parts, 1) if len(parts) > 1 else parts[0]
         return lax.dynamic_update_slice_in_dim(y, _cast(part), i * step, 1)
 
     y = lax.fori_loop(0, full, body, jnp.zeros((m, n), jnp.uint16 if bf else out_dtype))
     done = full * step
     for r0 in range(done, n, tile):  # at most concurrent - 1 whole tiles and a partial one, independent
-        tail = _tile_product(x2, after(x2, v[r0:r0 + tile]), s[r0:r0 + tile], g, live, short)
+        tail = _tile_product(x2, after(x2, v[r0:r0 + tile]), s[r0:r0 + tile], g, live, short, lhs)
         y = lax.dynamic_update_slice_in_dim(y, _cast(tail), r0, 1)
     return lax.bitcast_convert_type(y, jnp.bfloat16) if bf else y
 
@@ -486,7 +499,8 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
       "rows"   one fused matrix-vector pass per row of x, reading the packed weight (no copy of it);
       "tiles"  tiles of 2,048 weight rows dequantized (exactly, into the activations' dtype) and multiplied by
                YNNPACK GEMMs: native bf16 for bf16 x, float32 for float32 x; with bf16_dot=False (a CPU without bf16
-               hardware, int4_matmul_cpu) bf16 x from _F32_TILES_MIN_M rows takes float32 tiles too (measured);
+               hardware, int4_matmul_cpu) float32 tiles for either, the tile the GEMM's left operand up to
+               _LHS_MAX_M rows (measured there);
       "auto"   "rows" up to _ROW_LOOP_MAX_M rows (measured crossovers; module docstring), else "tiles".
     "bf16" (bf16 x only, bf16 tiles always) and "dense" (float32 x) are older names of "tiles", kept for callers.
     Every form multiplies the activations in their compute dtype (bf16 values for bf16 x, x itself otherwise) by
@@ -501,8 +515,8 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
                          f"would change the float32 model's products); use 'tiles' or 'auto'")
     if form == "auto":
         form = "rows" if m <= _ROW_LOOP_MAX_M else "tiles"
-    if form == "tiles" and xb.dtype == jnp.bfloat16 and not bf16_dot and m >= _F32_TILES_MIN_M:
-        return _finish(_tiles(xb.astype(jnp.float32), w, out_dtype=jnp.bfloat16), x, w)
+    if form in ("tiles", "dense") and not bf16_dot:  # float32 tiles, the weight the GEMM's left operand to 128 rows
+        return _finish(_tiles(xb.astype(jnp.float32), w, out_dtype=xb.dtype, lhs=m <= _LHS_MAX_M), x, w)
     if form in ("tiles", "bf16", "dense"):
         return _finish(_tiles(xb, w, out_dtype=xb.dtype), x, w)  # xb: bf16 for bf16 x, else float32
     if form != "rows":
@@ -515,7 +529,7 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
 def int4_matmul_cpu(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
     """int4_matmul_xla for this host's CPU: bf16 tiles only where the CPU multiplies bf16 in hardware
     (cpu_features.native_bf16_dot, read when traced: JAX reuses a trace for the same shapes, so the answer is the
-    process's first); elsewhere float32 tiles from _F32_TILES_MIN_M rows (measured: _F32_CONCURRENT's comment)."""
+    process's first); elsewhere float32 tiles, W . x^T up to _LHS_MAX_M rows (measured: _LHS_MAX_M's comment)."""
     return int4_matmul_xla(x, w, form=form, bf16_dot=native_bf16_dot())
 
 

@@ -209,27 +209,41 @@ def _loop_dots(f, *args) -> int:
     return sum(e.primitive.name == "dot_general" for e in body.jaxpr.eqns)
 
 
-@pytest.mark.parametrize("m", [3, 15, 16, 40])
-def test_tiles_in_float32_without_bf16_hardware(m):
-    """bf16_dot=False (int4_matmul_cpu on a CPU without bf16 hardware): from _F32_TILES_MIN_M rows of bf16 x the
-    tiles form multiplies float32 tiles by float32 activations, 2 tiles per loop iteration (n: 4 iterations of 2,
-    or 2 of 4, then a whole tile and a partial one); below it, and always with bf16_dot=True, bf16 ones. Every way
-    gives the reference's bits on exact data (the same products) in bf16, and random data within the bf16 forms'
-    tolerance."""
-    from gemmajax.quant.int4_matmul import _F32_TILES_MIN_M
-    from tests.quant.test_int8_matmul import _dot_operand_dtypes
-    assert _F32_TILES_MIN_M == 16  # the cases' premise: 15 rows stay bf16, 16 do not
-    xe, qe = _exact_case(m, 256, 2 * 8192 + 2048 + 300, seed=70 + m)
-    exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
-    for form in ("tiles", "auto"):
-        for bf16_dot in (False, True):
-            f = lambda x, q, fo=form, b=bf16_dot: int4_matmul_xla(x, q, form=fo, bf16_dot=b)
-            dots = set(_dot_operand_dtypes(f, xe, qe))
-            assert dots == ({"float32,float32"} if m >= 16 and not bf16_dot else {"bfloat16,bfloat16"}), (form, dots)
-            y = jax.jit(f)(xe, qe)
-            assert y.dtype == jnp.bfloat16 and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), form
-            # tiles per loop iteration: 2 float32 ones, 4 bf16 ones (two dots each, one per nibble half)
-            assert _loop_dots(f, xe, qe) == (4 if m >= 16 and not bf16_dot else 8), (form, bf16_dot)
+@pytest.mark.parametrize("m", [2, 16, 128, 129])
+def test_tiles_without_bf16_hardware_are_float32_and_the_gemms_left_operand(m):
+    """bf16_dot=False (int4_matmul_cpu on a CPU without bf16 hardware): the tiles form, and "auto" from 2 rows,
+    multiplies float32 tiles by float32 activations (bf16 x widened), 2 tiles per loop iteration, each tile the GEMM's
+    left operand (W . x^T) up to _LHS_MAX_M rows and its right one above; bf16_dot=True keeps x . W^T, in bf16 for
+    bf16 x (4 tiles per iteration) and float32 for float32 x (2). n: 4 iterations of 2 tiles, or 2 of 4, then a whole
+    tile and a partial one. Every way gives the reference's bits on exact data (the same products), in x's dtype,
+    and random data within the bf16 forms' tolerance."""
+    from gemmajax.quant.int4_matmul import _LHS_MAX_M
+    from tests.quant.test_int8_matmul import _eqns
+    assert _LHS_MAX_M == 128  # the cases' premise: 128 rows are W . x^T, 129 are not
+
+    def dots(f, *args):  # (operand dtypes, whether the weight tile is the left operand) of every dot_general
+        out = set()
+        for e in _eqns(jax.make_jaxpr(f)(*args).jaxpr):
+            if e.primitive.name == "dot_general":
+                a, b = (v.aval for v in e.invars)
+                assert m in (a.shape[0], b.shape[0]) and a.shape[0] != b.shape[0], (a.shape, b.shape)
+                out.add((f"{a.dtype},{b.dtype}", b.shape[0] == m))
+        return out
+
+    xe0, qe = _exact_case(m, 256, 2 * 8192 + 2048 + 300, seed=70 + m)
+    for xd in (jnp.bfloat16, jnp.float32):
+        xe = xe0.astype(xd)
+        exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
+        for form in ("tiles", "auto"):
+            for bf16_dot in (False, True):
+                f = lambda x, q, fo=form, b=bf16_dot: int4_matmul_xla(x, q, form=fo, bf16_dot=b)
+                f32 = xd == jnp.float32 or not bf16_dot
+                want = {("float32,float32" if f32 else "bfloat16,bfloat16", not bf16_dot and m <= 128)}
+                assert dots(f, xe, qe) == want, (xd, form, bf16_dot)
+                y = jax.jit(f)(xe, qe)
+                assert y.dtype == xd and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), (xd, form)
+                # tiles per loop iteration: 2 float32 ones, 4 bf16 ones (two dots each, one per nibble half)
+                assert _loop_dots(f, xe, qe) == (4 if f32 else 8), (xd, form, bf16_dot)
     x, q = _data(m, 640, 1536, seed=m, xdtype=jnp.bfloat16)
     ref = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
     y = jax.jit(lambda x, q: int4_matmul_xla(x, q, bf16_dot=False))(x, q)
