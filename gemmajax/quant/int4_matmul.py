@@ -438,8 +438,9 @@ _F32_CONCURRENT = 2
 # and bf16 below (the form until now) against W . x^T float32: 17.1 / 28.5 / 32.6 / 48.6 / 74.4 / 132.3 / 230.6
 # against 13.7 / 14.1 / 21.8 / 40.9 / 67.6 / 127.2 / 242.4; the 640 x 262,144 head, bf16 tiles by 4 / float32 by 2
 # / float32 W . x^T by 2: 2 rows 59.9 / 58.4 / 37.5, 8 rows 74.8 / 73.5 / 42.7, 16 rows 108.7 / 87.6 / 60.3, 64 rows
-# 306 / 225 / 207, 128 rows 525 / 371 / 379, 256 rows 1011 / 684 / 820. One row stays "rows" (the head 11.7 against
-# 20.7 ms W . x^T).
+# 306 / 225 / 207, 128 rows 525 / 371 / 379, 256 rows 1011 / 684 / 820. At 128 rows the head is 2 % slower this way
+# and the layers 4 % faster; from 256 both are slower. "auto" keeps "rows" for one row (the head 11.7 against 20.7 ms
+# W . x^T); an explicit "tiles" at one row is W . x^T too.
 _LHS_MAX_M = 128
 
 
@@ -515,7 +516,7 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
                          f"would change the float32 model's products); use 'tiles' or 'auto'")
     if form == "auto":
         form = "rows" if m <= _ROW_LOOP_MAX_M else "tiles"
-    if form in ("tiles", "dense") and not bf16_dot:  # float32 tiles, the weight the GEMM's left operand to 128 rows
+    if form in ("tiles", "dense") and not bf16_dot:  # float32 tiles, W . x^T up to _LHS_MAX_M rows
         return _finish(_tiles(xb.astype(jnp.float32), w, out_dtype=xb.dtype, lhs=m <= _LHS_MAX_M), x, w)
     if form in ("tiles", "bf16", "dense"):
         return _finish(_tiles(xb, w, out_dtype=xb.dtype), x, w)  # xb: bf16 for bf16 x, else float32
@@ -527,9 +528,10 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
 
 
 def int4_matmul_cpu(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
-    """int4_matmul_xla for this host's CPU: bf16 tiles only where the CPU multiplies bf16 in hardware
-    (cpu_features.native_bf16_dot, read when traced: JAX reuses a trace for the same shapes, so the answer is the
-    process's first); elsewhere float32 tiles, W . x^T up to _LHS_MAX_M rows (measured: _LHS_MAX_M's comment)."""
+    """int4_matmul_xla for this host's CPU: the "tiles" / "auto" forms take bf16 tiles only where the CPU multiplies
+    bf16 in hardware (cpu_features.native_bf16_dot, read when traced: JAX reuses a trace for the same shapes, so the
+    answer is the process's first); elsewhere float32 tiles, W . x^T up to _LHS_MAX_M rows (measured: _LHS_MAX_M's
+    comment). form="bf16" keeps bf16 tiles either way."""
     return int4_matmul_xla(x, w, form=form, bf16_dot=native_bf16_dot())
 
 

@@ -214,9 +214,10 @@ def test_tiles_without_bf16_hardware_are_float32_and_the_gemms_left_operand(m):
     """bf16_dot=False (int4_matmul_cpu on a CPU without bf16 hardware): the tiles form, and "auto" from 2 rows,
     multiplies float32 tiles by float32 activations (bf16 x widened), 2 tiles per loop iteration, each tile the GEMM's
     left operand (W . x^T) up to _LHS_MAX_M rows and its right one above; bf16_dot=True keeps x . W^T, in bf16 for
-    bf16 x (4 tiles per iteration) and float32 for float32 x (2). n: 4 iterations of 2 tiles, or 2 of 4, then a whole
-    tile and a partial one. Every way gives the reference's bits on exact data (the same products), in x's dtype,
-    and random data within the bf16 forms' tolerance."""
+    bf16 x (4 tiles per iteration) and float32 for float32 x (2); "dense" is "tiles", and "bf16" keeps bf16 tiles
+    and x . W^T either way. n: 4 iterations of 2 tiles, or 2 of 4, then a whole tile and a partial one; and a weight
+    of one tile (no loop). Every way gives the reference's bits on exact data (the same products), in x's dtype, and
+    random data within the bf16 forms' tolerance."""
     from gemmajax.quant.int4_matmul import _LHS_MAX_M
     from tests.quant.test_int8_matmul import _eqns
     assert _LHS_MAX_M == 128  # the cases' premise: 128 rows are W . x^T, 129 are not
@@ -230,20 +231,25 @@ def test_tiles_without_bf16_hardware_are_float32_and_the_gemms_left_operand(m):
                 out.add((f"{a.dtype},{b.dtype}", b.shape[0] == m))
         return out
 
-    xe0, qe = _exact_case(m, 256, 2 * 8192 + 2048 + 300, seed=70 + m)
-    for xd in (jnp.bfloat16, jnp.float32):
-        xe = xe0.astype(xd)
-        exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
-        for form in ("tiles", "auto"):
-            for bf16_dot in (False, True):
-                f = lambda x, q, fo=form, b=bf16_dot: int4_matmul_xla(x, q, form=fo, bf16_dot=b)
-                f32 = xd == jnp.float32 or not bf16_dot
-                want = {("float32,float32" if f32 else "bfloat16,bfloat16", not bf16_dot and m <= 128)}
-                assert dots(f, xe, qe) == want, (xd, form, bf16_dot)
-                y = jax.jit(f)(xe, qe)
-                assert y.dtype == xd and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), (xd, form)
-                # tiles per loop iteration: 2 float32 ones, 4 bf16 ones (two dots each, one per nibble half)
-                assert _loop_dots(f, xe, qe) == (4 if f32 else 8), (xd, form, bf16_dot)
+    # n: the loop with a tail (above), and one tile (n // 2048 <= 1: no loop), the path of every Gemma 3 270M layer
+    for n in (2 * 8192 + 2048 + 300, 1000):
+        xe0, qe = _exact_case(m, 256, n, seed=70 + m)
+        for xd in (jnp.bfloat16, jnp.float32):
+            xe = xe0.astype(xd)
+            exact = np.asarray(int4_matmul_ref(xe, qe).astype(jnp.float32))
+            for form in ("tiles", "auto", "dense", "bf16"):
+                for bf16_dot in (False, True):
+                    if form == "bf16" and xd == jnp.float32:
+                        continue  # bf16 tiles of float32 x: refused (test_bf16_form_refuses_float32_activations)
+                    f = lambda x, q, fo=form, b=bf16_dot: int4_matmul_xla(x, q, form=fo, bf16_dot=b)
+                    f32 = form != "bf16" and (xd == jnp.float32 or not bf16_dot)  # "bf16" keeps bf16 tiles
+                    lhs = form != "bf16" and not bf16_dot and m <= 128
+                    want = {("float32,float32" if f32 else "bfloat16,bfloat16", lhs)}
+                    assert dots(f, xe, qe) == want, (n, xd, form, bf16_dot)
+                    y = jax.jit(f)(xe, qe)
+                    assert y.dtype == xd and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), (n, xd, form)
+                    if n > 2048:  # tiles per loop iteration: 2 float32, 4 bf16 (two dots each, one per nibble half)
+                        assert _loop_dots(f, xe, qe) == (4 if f32 else 8), (xd, form, bf16_dot)
     x, q = _data(m, 640, 1536, seed=m, xdtype=jnp.bfloat16)
     ref = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
     y = jax.jit(lambda x, q: int4_matmul_xla(x, q, bf16_dot=False))(x, q)
