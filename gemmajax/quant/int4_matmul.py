@@ -413,9 +413,8 @@ def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: t
 
     def gemm(xs, wh):
         wh = _as_bf16(wh) if x2.dtype == jnp.bfloat16 else wh
-        if lhs:
-            return lax.dot_general(wh, xs, _NT, precision=prec, preferred_element_type=jnp.float32)
-        return lax.dot_general(xs, wh, _NT, precision=prec, preferred_element_type=jnp.float32)
+        a, b = (wh, xs) if lhs else (xs, wh)
+        return lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)
 
     y = gemm(x2[:, :live[0]], lo)
     y = y if hi is None else y + gemm(x2[:, h:h + live[1]], hi)
