@@ -15,12 +15,14 @@ from gemmajax.engine.runner import LayerStack, unstack_layers
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.spec_decode import SpecConfig
 from gemmajax.model.loader import Model
+from gemmajax.quant.array import int4_halves_tree
 
 
 class _ServedModel(Model):
     """`LLM.model` once its engine holds the weights in its own form (runner.stack_layers, on XLA:CPU), so that the
-    process keeps one copy of them. `.weights` is the standard tree, rebuilt from the engine's at each access (the
-    stacked leaves copied out per layer: read it once and keep it); `.engine_weights` is the engine's form."""
+    process keeps one copy of them. `.weights` is the standard tree (int4 in half-split bytes), rebuilt from the
+    engine's at each access (the stacked leaves copied out per layer, int4 words repacked: read it once and keep
+    it); `.engine_weights` is the engine's form."""
 
     def __init__(self, model: Model, engine: LLMEngine):   # not Model.__init__: it assigns .weights
         self.config, self.dtype, self.path, self.quant = model.config, model.dtype, model.path, model.quant
@@ -32,7 +34,7 @@ class _ServedModel(Model):
 
     @property
     def weights(self):
-        return unstack_layers(self._engine.runner.weights)
+        return int4_halves_tree(unstack_layers(self._engine.runner.weights))
 
 
 @dataclass

@@ -32,6 +32,7 @@ from gemmajax.engine.spec_decode import Drafter, SpecConfig, accepted_tokens, ng
 from gemmajax.engine.thinking import ThoughtTracker
 from gemmajax.kv.layout import resolve_auto
 from gemmajax.model import gemma
+from gemmajax.quant.array import int4_words_tree
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,8 @@ class LLMEngine:
         stack = config.stack_layers
         if stack is None:
             stack = jax.default_backend() == "cpu" and config.parallel is None
+        if jax.default_backend() == "cpu" and config.parallel is None:
+            weights = int4_words_tree(weights)  # the CPU's int4 layout: faster one-row and tile forms (quant/array)
         self.runner = ModelRunner(stack_layers(weights) if stack else weights, self.spec)
         logger.info(self.kv_summary())
         self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens,

@@ -12,6 +12,10 @@ Physical layouts (logical weight [..., out, in]):
         token, G one per token per G input columns (G divides in_p, a multiple of 32; see int8_matmul.py).
   int4: values uint8 [..., out_p, in_p // 2]; byte j = (q[j] + 8) | (q[j + in_p // 2] + 8) << 4 (biased nibbles,
         levels -8..7); scale bfloat16 or float32 [..., out_p, in_p // group], one per group along `in`.
+        The CPU word layout (int4_to_words; what the engine gives a CPU's dense int4 weights): values uint32
+        [..., out_p, in_p // 8], bits 4i..4i+3 of word d = q[8d + i] + 8. XLA:CPU's one-row dot then broadcasts a
+        word to the 8 lanes of a vector and shifts each lane by its own amount, all 8 columns under one group
+        scale: 1.3x the half-split bytes' speed (int4_matmul.py). The value dtype says which layout an array has.
   out_p = out, except out > 4096 and not a multiple of 128: then padded to 128 (the TPU kernels use a full-width
   block below that size). in_p = in rounded up to 2 * group (int4) so each half holds whole groups; tables pad
   further (see `quantize_table`). Padding is zero levels; the logical shape is static metadata.
@@ -25,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 KINDS = ("int8", "int4")
 INT8_MAX = 127
@@ -83,14 +88,17 @@ class QuantArray:
         vshape, sshape = tuple(self.values.shape), tuple(self.scale.shape)
         *lead, out, inp = self.shape
         out_p = vshape[-2] if len(vshape) >= 2 else -1
-        in_p = vshape[-1] * (2 if self.kind == "int4" else 1) if vshape else -1
+        if self.kind == "int4" and jnp.dtype(self.values.dtype) not in (jnp.uint8, jnp.uint32):
+            raise ValueError(f"QuantArray int4 {self.shape}: values must be uint8 (two columns a byte) or uint32 (the "
+                             f"CPU word layout, eight columns a word), got {jnp.dtype(self.values.dtype)}")
+        in_p = vshape[-1] * _columns_per_value(self.kind, self.values.dtype) if vshape else -1
         exp_s = (*lead, out_p) if self.kind == "int8" else (*lead, out_p, in_p // max(self.group, 1))
         bad = (len(vshape) != len(self.shape) or vshape[:-2] != tuple(lead) or out_p < out or in_p < inp
                or sshape != exp_s or (self.kind == "int4" and (self.group <= 0 or in_p % (2 * self.group))))
         if bad:
             raise ValueError(f"QuantArray {self.kind} {self.shape} (group {self.group}): values shape {vshape} / "
                              f"scale shape {sshape} do not match the layout (values [..., >= out, >= in"
-                             f"{' / 2' if self.kind == 'int4' else ''}], scale {exp_s})")
+                             f"{' / (2 or 8)' if self.kind == 'int4' else ''}], scale {exp_s})")
         if self.act_group and in_p % self.act_group:
             raise ValueError(f"QuantArray int8 {self.shape}: act_group {self.act_group} does not divide the "
                              f"(padded) input width {in_p}")
@@ -114,7 +122,12 @@ class QuantArray:
 
     @property
     def padded_in(self) -> int:
-        return int(self.values.shape[-1]) * (2 if self.kind == "int4" else 1)
+        return int(self.values.shape[-1]) * _columns_per_value(self.kind, self.values.dtype)
+
+    @property
+    def words(self) -> bool:
+        """int4 in the CPU word layout (values uint32, see the module docstring; int4_to_words)."""
+        return self.kind == "int4" and jnp.dtype(self.values.dtype) == jnp.uint32
 
     @property
     def nbytes(self) -> int:
@@ -210,10 +223,60 @@ def pack_int4(q: jax.Array) -> jax.Array:
 
 
 def unpack_int4(v: jax.Array) -> jax.Array:
-    """uint8 [..., H] -> int8 levels [..., 2H] (inverse of pack_int4)."""
+    """Packed int4 values -> int8 levels [..., in_p]: uint8 [..., in_p / 2] (inverse of pack_int4) or uint32
+    [..., in_p / 8] (the CPU word layout, inverse of pack_int4_words)."""
+    if jnp.dtype(v.dtype) == jnp.uint32:
+        nib = (v[..., None] >> (4 * lax.iota(jnp.uint32, WORD))) & jnp.uint32(15)
+        return nib.reshape(*v.shape[:-1], v.shape[-1] * WORD).astype(jnp.int8) - 8
     lo = (v & 15).astype(jnp.int8) - 8
     hi = (v >> 4).astype(jnp.int8) - 8
     return jnp.concatenate([lo, hi], axis=-1)
+
+
+WORD = 8  # int4 columns per uint32 word of the CPU layout
+
+
+def pack_int4_words(q: jax.Array) -> jax.Array:
+    """Levels int [..., in_p] in -8..7 (in_p a multiple of 8) -> uint32 [..., in_p / 8]: bits 4i..4i+3 of word d
+    hold column 8d + i, biased by 8 (the CPU word layout)."""
+    u = (q.astype(jnp.int32) + 8).astype(jnp.uint32).reshape(*q.shape[:-1], q.shape[-1] // WORD, WORD)
+    return jnp.sum(u << (4 * lax.iota(jnp.uint32, WORD)), axis=-1, dtype=jnp.uint32)  # disjoint bits: the sum is an or
+
+
+def int4_to_words(w: QuantArray) -> QuantArray:
+    """An int4 QuantArray in the CPU word layout (the same levels and scales). Other kinds, and int4 groups that are
+    not a multiple of 8 columns (a word would straddle two scales), are returned as they are."""
+    if w.kind != "int4" or w.words or w.group % WORD:
+        return w
+    return dataclasses.replace(w, values=pack_int4_words(unpack_int4(w.values)))
+
+
+def int4_words_tree(tree: Any) -> Any:
+    """`tree` with every 2-D int4 QuantArray in the CPU word layout (int4_to_words; stacks of experts, which the
+    grouped matmul reads in half-split bytes, and everything else unchanged)."""
+    def conv(x):
+        return int4_to_words(x) if isinstance(x, QuantArray) and x.kind == "int4" and x.ndim == 2 else x
+
+    return jax.tree.map(conv, tree, is_leaf=lambda x: isinstance(x, QuantArray))
+
+
+def int4_halves_tree(tree: Any) -> Any:
+    """`tree` with every int4 QuantArray in the standard half-split layout (int4_to_halves)."""
+    return jax.tree.map(lambda x: int4_to_halves(x) if isinstance(x, QuantArray) else x, tree,
+                        is_leaf=lambda x: isinstance(x, QuantArray))
+
+
+def int4_to_halves(w: QuantArray) -> QuantArray:
+    """An int4 QuantArray in the standard half-split byte layout (the TPU / GPU kernels' and checkpoints')."""
+    if not (w.kind == "int4" and w.words):
+        return w
+    return dataclasses.replace(w, values=pack_int4(unpack_int4(w.values)))
+
+
+def _columns_per_value(kind: str, dtype) -> int:
+    if kind != "int4":
+        return 1
+    return WORD if jnp.dtype(dtype) == jnp.uint32 else 2
 
 
 def group_scales(scale: jax.Array, group: int) -> jax.Array:

@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gemmajax.cpu_features import native_bf16_dot
-from gemmajax.quant.array import QuantArray
+from gemmajax.quant.array import WORD, QuantArray, int4_to_halves
 from gemmajax.quant.int8_matmul import after, materialize
 from gemmajax.quant.quantize import dequantize
 
@@ -245,9 +245,11 @@ def int4_matmul_pallas(x: jax.Array, w: QuantArray, *, interpret=False, blocks=N
     """Pallas TPU w4a16. x [..., in] float, w int4 QuantArray [out, in] -> [..., out] in x.dtype. bf16 x multiplies
     in bf16 (the serving case), any other x in float32 (a float32 model: unrounded activations, HIGHEST precision).
 
-    interpret: False | True | pltpu.InterpretParams(...). blocks: optional (tm, tn, tkp) override.
+    interpret: False | True | pltpu.InterpretParams(...). blocks: optional (tm, tn, tkp) override. A weight in the
+    CPU word layout is repacked into half-split bytes first (traced by lax.platform_dependent on every platform).
     """
     _check(x, w)
+    w = int4_to_halves(w)
     x2 = _pad_x(x.reshape(-1, x.shape[-1]), w)
     m = x2.shape[0]
     n, half, group = w.padded_out, w.padded_in // 2, w.group
@@ -336,13 +338,16 @@ def _half_weight(v: jax.Array, s: jax.Array, group: int, short: bool = False) ->
     one multiply-add, nibble * s - 8 * s (each product exact, the sum exact: it is level * s). Else the rounding:
     Veltkamp's split for bf16 scales, integer rounding for float32 ones."""
     n, h = v.shape
-    sf = s.astype(jnp.float32)[:, :, None]
+    return _scaled(v.reshape(n, h // group, group), s, s.astype(jnp.float32)[:, :, None], short).reshape(n, h)
+
+
+def _scaled(nib: jax.Array, s: jax.Array, sf: jax.Array, short: bool) -> jax.Array:
+    """Biased nibbles (any unsigned int dtype) and their scales sf (float32, broadcastable to nib; s: the stored
+    scales, for their dtype) -> float32 bf16(level * s) (_half_weight)."""
     if short:
-        nib = v.astype(jnp.int32).astype(jnp.float32).reshape(n, h // group, group)
-        return (nib * sf + (-8.0 * sf)).reshape(n, h)
-    q = _levels(v).reshape(n, h // group, group)
-    w = _split_bf16(q, sf) if s.dtype == jnp.bfloat16 else _round_bf16(q * sf)
-    return w.reshape(n, h)
+        return nib.astype(jnp.int32).astype(jnp.float32) * sf + (-8.0 * sf)
+    q = _levels(nib)
+    return _split_bf16(q, sf) if s.dtype == jnp.bfloat16 else _round_bf16(q * sf)
 
 
 def _live(w: QuantArray) -> tuple[int, int]:
@@ -366,6 +371,24 @@ def _halves(v: jax.Array, s: jax.Array, group: int, live: tuple[int, int], short
     return lo, hi
 
 
+def _live_cols(w: QuantArray) -> int:
+    """Columns of a word-layout weight that hold real input columns (whole groups; the padding after them is
+    skipped)."""
+    return min(-(-w.in_features // w.group) * w.group, w.padded_in)
+
+
+def _words_weight(v: jax.Array, s: jax.Array, group: int, cols: int, short: bool = False) -> jax.Array:
+    """Rows of words uint32 [N, in_p / 8] (the CPU word layout) and their scales [N, in_p / group] -> float32
+    [N, cols] holding bf16(level * s) for the first `cols` columns (whole groups). Shaped [N, groups, words, 8] so
+    that XLA:CPU's dot loop broadcasts each word to a vector's 8 lanes and shifts lane i by 4i (one variable shift
+    and a mask per 8 weights, no byte widening), the group's scale fixed over its 32 columns (module docstring)."""
+    n, a = v.shape[0], cols // group
+    u = v[:, :cols // WORD].reshape(n, a, group // WORD, 1)
+    lane = lax.iota(jnp.uint32, WORD) + jnp.minimum(u, jnp.uint32(0))  # + 0: see the docstring
+    nib = (u >> (lane << 2)) & jnp.uint32(15)
+    return _scaled(nib, s, s[:, :a].astype(jnp.float32)[:, :, None, None], short).reshape(n, cols)
+
+
 def _as_bf16(w: jax.Array) -> jax.Array:
     """float32 holding bf16 values -> those bf16 (the high halves: exact; XLA's convert would round again, in nine
     instructions per vector)."""
@@ -385,10 +408,13 @@ def _one_row(x1: jax.Array, w: QuantArray, separate: bool) -> jax.Array:
 
     separate: give this row its own copy of the weight's inputs; without it XLA merges the identical weight
     transforms of several rows (CSE) and materializes one float32 copy of the weight for all of them."""
-    h, (l0, l1) = w.padded_in // 2, _live(w)
     v, s = w.values, w.scale
     if separate:
         x1, v, s = lax.optimization_barrier((x1, v, s))
+    if w.words:  # one dot over the live columns in their own order
+        cols = _live_cols(w)
+        return jnp.dot(x1[:, :cols], _words_weight(v, s, w.group, cols, w.short_scales).T)
+    h, (l0, l1) = w.padded_in // 2, _live(w)
     lo, hi = _halves(v, s, w.group, (l0, l1), w.short_scales)
     y = jnp.dot(x1[:, :l0], lo.T)
     if hi is None:
@@ -401,14 +427,13 @@ _TILE = 2048  # weight rows per tile of the GEMM forms: a bf16 tile of in 640 is
 _NT = (((1,), (1,)), ((), ()))  # contract x[M, K] with w[N, K] over K
 
 
-def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: tuple[int, int],
+def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: tuple[int, int] | int,
                   short: bool = False, lhs: bool = False) -> jax.Array:
     """x2 [M, in_p] (bf16 or float32) times one tile of packed rows v [C, in_p / 2] (scales s) -> f32 [M, C]: the
     tile's two halves dequantized (bf16(level * scale), in x2's dtype: exact) and one GEMM per half, XLA:CPU's
     YNNPACK GEMM (native bf16 x bf16 -> f32 for bf16 x; float32 at HIGHEST for float32 x). lhs: the tile as the
-    GEMM's left operand (W . x^T -> [C, M], transposed back): the same products and sums, no packing of the tile."""
-    h = v.shape[1]
-    lo, hi = _halves(v, s, group, live, short)
+    GEMM's left operand (W . x^T -> [C, M], transposed back): the same products and sums, no packing of the tile.
+    Words (v uint32, the CPU word layout; live: its live columns): one GEMM over them."""
     prec = None if x2.dtype == jnp.bfloat16 else lax.Precision.HIGHEST
 
     def gemm(xs, wh):
@@ -416,6 +441,12 @@ def _tile_product(x2: jax.Array, v: jax.Array, s: jax.Array, group: int, live: t
         a, b = (wh, xs) if lhs else (xs, wh)
         return lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)
 
+    if v.dtype == jnp.uint32:
+        y = gemm(x2[:, :live], _words_weight(v, s, group, live, short))
+        # the barrier keeps XLA from folding the transpose into the dot (x . W^T: YNNPACK then repacks the tile)
+        return lax.optimization_barrier(y).T if lhs else y
+    h = v.shape[1]
+    lo, hi = _halves(v, s, group, live, short)
     y = gemm(x2[:, :live[0]], lo)
     y = y if hi is None else y + gemm(x2[:, h:h + live[1]], hi)
     return y.T if lhs else y
@@ -456,7 +487,8 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | No
     640 x 262,144 LM head at M = 16 (AVX-512 Xeon, quiet, 512-bit vectors): 48 ms one tile at a time with the convert
     after the loop, 36 ms this way. lhs: each tile's GEMM as W . x^T (_tile_product)."""
     n, m = w.padded_out, x2.shape[0]
-    v, s, g, live, short = w.values, w.scale, w.group, _live(w), w.short_scales
+    v, s, g, short = w.values, w.scale, w.group, w.short_scales
+    live = _live_cols(w) if w.words else _live(w)
     if concurrent is None:
         concurrent = _CONCURRENT if x2.dtype == jnp.bfloat16 else _F32_CONCURRENT
     step = tile * concurrent
@@ -536,8 +568,9 @@ def int4_matmul_cpu(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.A
 
 def int4_matmul_gpu(x: jax.Array, w: QuantArray) -> jax.Array:
     """XLA w4a16 for GPUs: dequantize to the compute dtype (fused by XLA) and one GEMM with f32 accumulation (bf16 x
-    bf16 for bf16 x; float32 at HIGHEST precision, not TF32, for float32 x)."""
+    bf16 for bf16 x; float32 at HIGHEST precision, not TF32, for float32 x). Word-layout weights: repacked first."""
     _check(x, w)
+    w = int4_to_halves(w)
     x2 = _pad_x(x.reshape(-1, x.shape[-1]), w)
     cd = jnp.dtype(x2.dtype)
     y = jnp.dot(x2, _dense_weight(w).astype(cd).T, preferred_element_type=jnp.float32, precision=_precision(cd))
