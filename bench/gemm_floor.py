@@ -78,17 +78,18 @@ KINDS = ("bf16", "int8", "int4")  # weight kinds of the XLA child: the bf16 weig
 
 
 def quantized(kind: str, w, table: bool = False):
-    """A bf16 weight [out, in] as the engine stores it for `kind`: bf16 as is; int8 per output row with the w8a8
-    activation groups the loaders give (quantize.default_act_group), int4 in groups of 32; a vocabulary table
-    (`table`) as quantize_table makes the +emb8 / +emb4 tables."""
+    """A bf16 weight [out, in] as the engine stores it for `kind` on the CPU: bf16 as is; int8 per output row with
+    the w8a8 activation groups the loaders give (quantize.default_act_group), int4 in groups of 32 in the CPU word
+    layout; a vocabulary table (`table`) as quantize_table makes the +emb8 / +emb4 tables."""
     from gemmajax.quant.quantize import default_act_group, quantize, quantize_table
     if kind == "bf16":
         return w
+    from gemmajax.quant.array import int4_to_words  # the engine's CPU layout of int4 (LLMEngine: int4_words_tree)
     if table:
-        return quantize_table(w, 8 if kind == "int8" else 4)
+        return int4_to_words(quantize_table(w, 8 if kind == "int8" else 4))
     if kind == "int8":
         return quantize(w, "int8", act_group=default_act_group(w.shape[1]))
-    return quantize(w, "int4", 32)
+    return int4_to_words(quantize(w, "int4", 32))
 
 
 def child_xla(layer_shapes, head, rows, reps, kinds=("bf16",)) -> dict:

@@ -61,6 +61,20 @@ CPU without bf16 hardware (int4_matmul_cpu) activations of either dtype take flo
 each tile the GEMM's left operand (W . x^T) up to 128 rows (Zen 3, min ms: the 16-row head 60.3 this way, 87.6 with
 x . W^T float32 tiles, the form before, 108.7 with bf16 tiles; 126 layer GEMMs at 16 rows 21.8 against 32.6; figures
 by _F32_CONCURRENT and _LHS_MAX_M; docs/cpu_notes_2026-12-06.md).
+
+Since 2026-12-07 the engine gives a CPU's dense int4 weights the word layout (array.py: uint32, nibble i of word d is
+column 8d + i; LLMEngine via int4_words_tree). "rows" is then one dot over the live columns whose loop broadcasts a
+word to the 8 lanes of a vector and shifts lane i by 4i (per 8 weights: a broadcast load, a variable shift, a mask,
+a convert, the scale's multiply-add and the product's), where the bytes take a shift, a mask and a byte-to-dword
+widening per 8 weights in each of two dots (two horizontal sums per row). The tiles form dequantizes each tile in
+natural order the same way, one GEMM per tile. Measured on the 2-core Zen 3 (AVX2), Gemma 3 270M's 126 layer GEMMs
+chained and the 640 x 262,144 head, bytes against words, min ms of 12-15 alternating calls, load 1.6 from the
+measurement itself (not quiet): 1 row layers 9.19 / 7.52, head 13.65 / 11.34 (bf16 9.31, 12.31); 16 rows layers
+41.5 / 35.3, head 65.9 / 56.0 (bf16 52.5, 78.5). Two things XLA does to the tiles loop cost it 2-2.5x, and the code
+undoes them: it hoists the lane shifts out of the loop as an array, which the dequantization then reads per element
+in scalar code with a range check per shift (the shifts are given a data dependence XLA keeps and LLVM folds:
+u + min(u, 0)); and it folds the transpose of a lone W . x^T product back into x . W^T, so YNNPACK repacks every
+tile (an optimization barrier keeps the product's order; the byte form's two products meet in an add first).
 """
 from __future__ import annotations
 
@@ -381,10 +395,13 @@ def _words_weight(v: jax.Array, s: jax.Array, group: int, cols: int, short: bool
     """Rows of words uint32 [N, in_p / 8] (the CPU word layout) and their scales [N, in_p / group] -> float32
     [N, cols] holding bf16(level * s) for the first `cols` columns (whole groups). Shaped [N, groups, words, 8] so
     that XLA:CPU's dot loop broadcasts each word to a vector's 8 lanes and shifts lane i by 4i (one variable shift
-    and a mask per 8 weights, no byte widening), the group's scale fixed over its 32 columns (module docstring)."""
+    and a mask per 8 weights, no byte widening), the group's scale fixed over its 32 columns (module docstring).
+    The lanes get min(u, 0) (zero) added: without a dependence on the words, XLA hoists the shifts out of the tiles
+    loop as a u32[8] array, and the dequantization then reads it per element in scalar code, with a branch for
+    shifts of 32 or more (the 16-row LM head 2.5x slower); XLA keeps the minimum, LLVM folds it."""
     n, a = v.shape[0], cols // group
     u = v[:, :cols // WORD].reshape(n, a, group // WORD, 1)
-    lane = lax.iota(jnp.uint32, WORD) + jnp.minimum(u, jnp.uint32(0))  # + 0: see the docstring
+    lane = lax.iota(jnp.uint32, WORD) + jnp.minimum(u, jnp.uint32(0))  # + 0, to stay in the loop
     nib = (u >> (lane << 2)) & jnp.uint32(15)
     return _scaled(nib, s, s[:, :a].astype(jnp.float32)[:, :, None, None], short).reshape(n, cols)
 
