@@ -181,7 +181,10 @@ class LLMEngine:
         if stack is None:
             stack = jax.default_backend() == "cpu" and config.parallel is None
         if jax.default_backend() == "cpu" and config.parallel is None:
-            weights = int4_words_tree(weights)  # the CPU's int4 layout: faster one-row and tile forms (quant/array)
+            # the CPU's int4 layout: faster one-row and tile forms (quant/array); the per-layer-embedding table is only
+            # gathered from, so it keeps its bytes
+            words = int4_words_tree(dataclasses.replace(weights, ple_table=None))
+            weights = dataclasses.replace(words, ple_table=weights.ple_table)
         self.runner = ModelRunner(stack_layers(weights) if stack else weights, self.spec)
         logger.info(self.kv_summary())
         self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens,

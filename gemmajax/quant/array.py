@@ -50,7 +50,7 @@ class QuantArray:
     shard) are static metadata.
     """
 
-    values: Any  # int8 [..., out_p, in] | uint8 [..., out_p, in_p // 2]
+    values: Any  # int8 [..., out_p, in] | int4: uint8 [..., out_p, in_p // 2] or uint32 [..., out_p, in_p // 8] (words)
     scale: Any  # int8: f32 [..., out_p] | int4: bf16/f32 [..., out_p, in_p // group]
     kind: str = dataclasses.field(metadata={"static": True})
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # logical [..., out, in]
@@ -91,14 +91,19 @@ class QuantArray:
         if self.kind == "int4" and jnp.dtype(self.values.dtype) not in (jnp.uint8, jnp.uint32):
             raise ValueError(f"QuantArray int4 {self.shape}: values must be uint8 (two columns a byte) or uint32 (the "
                              f"CPU word layout, eight columns a word), got {jnp.dtype(self.values.dtype)}")
-        in_p = vshape[-1] * _columns_per_value(self.kind, self.values.dtype) if vshape else -1
+        per = _columns_per_value(self.kind, self.values.dtype)
+        if per == WORD and self.group % WORD:
+            raise ValueError(f"QuantArray int4 {self.shape}: the CPU word layout (values uint32, {WORD} columns a "
+                             f"word under one scale) needs a group that is a multiple of {WORD}, got {self.group}")
+        in_p = vshape[-1] * per if vshape else -1
         exp_s = (*lead, out_p) if self.kind == "int8" else (*lead, out_p, in_p // max(self.group, 1))
         bad = (len(vshape) != len(self.shape) or vshape[:-2] != tuple(lead) or out_p < out or in_p < inp
                or sshape != exp_s or (self.kind == "int4" and (self.group <= 0 or in_p % (2 * self.group))))
         if bad:
             raise ValueError(f"QuantArray {self.kind} {self.shape} (group {self.group}): values shape {vshape} / "
                              f"scale shape {sshape} do not match the layout (values [..., >= out, >= in"
-                             f"{' / (2 or 8)' if self.kind == 'int4' else ''}], scale {exp_s})")
+                             f"{f' / {per} ({jnp.dtype(self.values.dtype)})' if self.kind == 'int4' else ''}], "
+                             f"scale {exp_s})")
         if self.act_group and in_p % self.act_group:
             raise ValueError(f"QuantArray int8 {self.shape}: act_group {self.act_group} does not divide the "
                              f"(padded) input width {in_p}")
@@ -248,7 +253,7 @@ def int4_to_words(w: QuantArray) -> QuantArray:
     not a multiple of 8 columns (a word would straddle two scales), are returned as they are."""
     if w.kind != "int4" or w.words or w.group % WORD:
         return w
-    return dataclasses.replace(w, values=pack_int4_words(unpack_int4(w.values)))
+    return dataclasses.replace(w, values=_repack(_words_of, w.values))
 
 
 def int4_words_tree(tree: Any) -> Any:
@@ -270,7 +275,30 @@ def int4_to_halves(w: QuantArray) -> QuantArray:
     """An int4 QuantArray in the standard half-split byte layout (the TPU / GPU kernels' and checkpoints')."""
     if not (w.kind == "int4" and w.words):
         return w
-    return dataclasses.replace(w, values=pack_int4(unpack_int4(w.values)))
+    return dataclasses.replace(w, values=_repack(_halves_of, w.values))
+
+
+_REPACK_ROWS = 1 << 12  # rows a repack outside a trace handles at once: a bounded temporary for any table
+
+
+@jax.jit
+def _words_of(v: jax.Array) -> jax.Array:
+    return pack_int4_words(unpack_int4(v))
+
+
+@jax.jit
+def _halves_of(v: jax.Array) -> jax.Array:
+    return pack_int4(unpack_int4(v))
+
+
+def _repack(f, v: jax.Array) -> jax.Array:
+    """f (a compiled repack) over v's rows in chunks of _REPACK_ROWS (a whole table at once would hold its levels and
+    their int32 widening, 2-8 bytes a column: gigabytes for a per-layer-embedding table); inside a trace, at once
+    (XLA fuses it)."""
+    if isinstance(v, jax.core.Tracer) or v.shape[-2] <= _REPACK_ROWS:
+        return f(v)
+    n = v.shape[-2]
+    return jnp.concatenate([f(v[..., i:i + _REPACK_ROWS, :]) for i in range(0, n, _REPACK_ROWS)], axis=-2)
 
 
 def _columns_per_value(kind: str, dtype) -> int:

@@ -421,7 +421,8 @@ def _dense_weight(w: QuantArray) -> jax.Array:
 
 def _one_row(x1: jax.Array, w: QuantArray, separate: bool) -> jax.Array:
     """x1 f32 [1, in_p] (bf16 values for a bf16 model) -> f32 [1, N] in two fused matrix-vector dots over the packed
-    weight, one per nibble (XLA:CPU's one-row loop fusion: unpack, scale, round and multiply-add per weight, no copy).
+    weight, one per nibble (XLA:CPU's one-row loop fusion: unpack, scale, round and multiply-add per weight, no copy);
+    one dot over the live columns for a weight in words (_words_weight).
 
     separate: give this row its own copy of the weight's inputs; without it XLA merges the identical weight
     transforms of several rows (CSE) and materializes one float32 copy of the weight for all of them."""

@@ -74,6 +74,21 @@ def test_words_refuse_what_they_cannot_hold():
     assert int4_to_words(q) is q
     with pytest.raises(ValueError, match="uint8.*uint32.*got int32"):
         QuantArray(jnp.zeros((3, 8), jnp.int32), jnp.ones((3, 2), jnp.bfloat16), "int4", (3, 64), 32)
+    with pytest.raises(ValueError, match="word layout.*multiple of 8, got 4"):
+        QuantArray(jnp.zeros((3, 2), jnp.uint32), jnp.ones((3, 4), jnp.bfloat16), "int4", (3, 16), 4)
+    with pytest.raises(ValueError, match=r"in / 8 \(uint32\)"):
+        QuantArray(jnp.zeros((3, 2), jnp.uint32), jnp.ones((3, 2), jnp.bfloat16), "int4", (3, 64), 32)
+
+
+def test_repacking_a_table_in_row_chunks(monkeypatch):
+    """Outside a trace the repack goes by chunks of rows (a bounded temporary); the chunks, the last one partial, put
+    together give the whole table's words and bytes back."""
+    import gemmajax.quant.array as qa
+    monkeypatch.setattr(qa, "_REPACK_ROWS", 64)
+    q = quantize_table(jnp.asarray(np.random.default_rng(4).standard_normal((300, 96)), jnp.bfloat16), 4)
+    w = int4_to_words(q)
+    assert np.array_equal(np.asarray(unpack_int4(w.values)), np.asarray(unpack_int4(q.values)))
+    assert np.array_equal(np.asarray(int4_to_halves(w).values), np.asarray(q.values))
 
 
 FORMS = ("rows", "tiles", "auto")  # "dense" is another name of "tiles"
@@ -101,6 +116,25 @@ def test_every_path_gives_the_reference_bits_on_exact_data(m):
             for name, f in paths.items():
                 y = jax.jit(f)(xe, we)
                 assert y.dtype == xd and np.array_equal(np.asarray(y.astype(jnp.float32)), exact), (n, xd, name)
+
+
+@pytest.mark.parametrize("group,k", [(8, 200), (64, 200), (128, 300), (32, 16)])
+def test_exact_bits_with_other_groups_and_a_partial_group(group, k):
+    """Groups of 8, 64 and 128 columns and inputs that end inside a group (zero levels after k): every form gives the
+    reference's bits on exact data (a fixed 4 words per group, or live columns rounded down, fails)."""
+    rng = np.random.default_rng(group + k)
+    in_p, n = -(-k // (2 * group)) * 2 * group, 1000
+    lv = np.zeros((n, in_p), np.int8)
+    lv[:, :k] = rng.integers(-8, 8, (n, k))
+    q = QuantArray(pack_int4(jnp.asarray(lv)), jnp.asarray(2.0 ** rng.integers(-6, 0, (n, in_p // group)),
+                   jnp.bfloat16), "int4", (n, k), group, jnp.bfloat16)
+    w = int4_to_words(q)
+    for m in (1, 16):
+        x = jnp.asarray(rng.integers(-4, 5, (m, k)), jnp.bfloat16)
+        exact = np.asarray(int4_matmul_ref(x, q).astype(jnp.float32))
+        for f in FORMS:
+            y = jax.jit(lambda x, w, f=f: int4_matmul_xla(x, w, form=f, bf16_dot=False))(x, w)
+            assert np.array_equal(np.asarray(y.astype(jnp.float32)), exact), (group, k, m, f)
 
 
 @pytest.mark.parametrize("form", ["rows", "tiles"])
@@ -139,7 +173,11 @@ def test_compiled_forms_keep_their_structure():
     tiles = _compiled(lambda x, w: int4_matmul_xla(x, w, bf16_dot=False), x16, w)
     dots = [ln.split("=")[1].split()[0] for ln in tiles.splitlines() if " dot(" in ln]
     assert dots and all(d.startswith("f32[2048,16]") for d in dots), dots
-    assert "u32[8]" not in tiles
+    assert "u32[8]" not in tiles and "u8[" not in tiles, "hoisted shifts, or a fall back to bytes"
+    from gemmajax.quant.ops import linear
+    for x in (x1, x16):  # the engine's entry points keep the words too
+        for f in (lambda x, w: int4_matmul(x, w), linear):
+            assert "u8[" not in _compiled(f, x, w)
 
 
 def test_weight_trees_convert_only_dense_int4():
@@ -166,15 +204,34 @@ def test_engine_gives_cpu_int4_weights_words_and_the_same_outputs(tmp_path_facto
     space = [*sorted(VARIANTS), "gemma3"]
     variant = space[np.random.default_rng(20261206).integers(len(space))]
     model = _model(tmp_path_factory, variant, "w4a16+emb4", "float32")
-    given, convert = [], le.int4_words_tree
-    monkeypatch.setattr(le, "int4_words_tree", lambda tree: given.append(convert(tree)) or given[-1])
+    held, runner = [], le.ModelRunner
+    monkeypatch.setattr(le, "ModelRunner", lambda w, spec: held.append(w) or runner(w, spec))
     words = _run(model, gemma4_tokenizer, True)
-    leaves = jax.tree.leaves(given, is_leaf=lambda x: isinstance(x, QuantArray))
-    int4 = [x for x in leaves if isinstance(x, QuantArray) and x.kind == "int4"]
-    assert len(given) == 1 and int4 and all(x.words for x in int4 if x.ndim == 2), [x for x in int4 if not x.words]
+    leaves = jax.tree.leaves(dataclasses.replace(held[0], ple_table=None), is_leaf=lambda x: isinstance(x, QuantArray))
+    int4 = [x for x in leaves if isinstance(x, QuantArray) and x.kind == "int4" and x.ndim == 2]
+    assert len(held) == 1 and held[0].embed.words and all(x.words for x in int4), [x for x in int4 if not x.words]
+    assert held[0].ple_table is None or not held[0].ple_table.words  # gathered only: stays in bytes
     monkeypatch.setattr(le, "int4_words_tree", lambda tree: tree)
     halves = _run(model, gemma4_tokenizer, True)
     for (ta, la), (tb, lb) in zip(words, halves):
         assert ta == tb and len(ta) == 8, variant
         assert [a["token_id"] for a in la] == [b["token_id"] for b in lb]
         np.testing.assert_allclose([a["logprob"] for a in la], [b["logprob"] for b in lb], rtol=0, atol=1e-4)
+
+
+def test_llm_model_weights_show_half_split_bytes(tmp_path_factory, gemma4_tokenizer):
+    """LLM.model.weights is the standard tree: the engine holds words, the property gives every int4 leaf back in the
+    bytes of a fresh load, bit for bit."""
+    import gemmajax
+    from tests.engine.test_layer_stack import _same_layers
+    from tests.golden.hf_models import GEMMA3, build_hf_config, save_text_checkpoint
+    m, cfg = build_hf_config(dict(GEMMA3, family="gemma3"), seed=5)
+    path = save_text_checkpoint(m, cfg, str(tmp_path_factory.mktemp("llm4")))
+    llm = gemmajax.LLM(path, quant="w4a16+emb4", dtype="float32", tokenizer=gemma4_tokenizer, max_model_len=64,
+                       max_num_seqs=2, kv_cache_memory=1 << 22)
+    assert llm.model.engine_weights.embed.words
+    fresh = gemmajax.load_model(path, dtype="float32", quant="w4a16+emb4")
+    w = llm.model.weights
+    assert w.embed.values.dtype == jnp.uint8
+    assert np.array_equal(np.asarray(w.embed.values), np.asarray(fresh.weights.embed.values))
+    _same_layers(w.layers, fresh.weights.layers)
