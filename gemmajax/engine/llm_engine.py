@@ -177,10 +177,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_len, eos_token_ids=self.eos_token_ids), self.block_manager)
-        stack = config.stack_layers
-        if stack is None:
-            stack = jax.default_backend() == "cpu" and config.parallel is None
-        if jax.default_backend() == "cpu" and config.parallel is None:
+        cpu_alone = jax.default_backend() == "cpu" and config.parallel is None
+        stack = cpu_alone if config.stack_layers is None else config.stack_layers
+        if cpu_alone:
             # the CPU's int4 layout: faster one-row and tile forms (quant/array); the per-layer-embedding table is only
             # gathered from, so it keeps its bytes
             words = int4_words_tree(dataclasses.replace(weights, ple_table=None))

@@ -364,12 +364,16 @@ def _scaled(nib: jax.Array, s: jax.Array, sf: jax.Array, short: bool) -> jax.Arr
     return _split_bf16(q, sf) if s.dtype == jnp.bfloat16 else _round_bf16(q * sf)
 
 
+def _live_cols(w: QuantArray) -> int:
+    """The input columns that hold real ones, rounded up to whole groups (the padding after them is skipped)."""
+    return -(-w.in_features // w.group) * w.group
+
+
 def _live(w: QuantArray) -> tuple[int, int]:
     """Columns of the low and the high half that hold real input columns (whole groups): a table padded from in 640
     to in_p 768 (quantize_table: 128-byte rows) has halves of 384 whose high half holds 256 real columns and 128 of
     zero padding, which the CPU forms skip (17 % of the LM head's work)."""
-    h, g = w.padded_in // 2, w.group
-    live = -(-w.in_features // g) * g
+    h, live = w.padded_in // 2, _live_cols(w)
     return min(live, h), max(live - h, 0)
 
 
@@ -385,10 +389,6 @@ def _halves(v: jax.Array, s: jax.Array, group: int, live: tuple[int, int], short
     return lo, hi
 
 
-def _live_cols(w: QuantArray) -> int:
-    """Columns of a word-layout weight that hold real input columns (whole groups; the padding after them is
-    skipped)."""
-    return min(-(-w.in_features // w.group) * w.group, w.padded_in)
 
 
 def _words_weight(v: jax.Array, s: jax.Array, group: int, cols: int, short: bool = False) -> jax.Array:
