@@ -16,7 +16,7 @@ from gemmajax.engine.sample_batch import plain_greedy
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.quant import dequantize, linear, quantize
 from gemmajax.quant.int4_matmul import int4_matmul_ref, int4_matmul_xla
-from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu
+from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu, dense_matmul_cpu_f32
 
 bf16, f32 = jnp.bfloat16, jnp.float32
 
@@ -40,7 +40,7 @@ def _close(y, ref, rtol):
 # ------------------------------------------------------------------------------------------------ plain weights
 @pytest.mark.parametrize("dtype,rtol", [(bf16, 2.0 ** -8), (f32, 1e-5)])
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("form", ["auto", "vector", "gemm"])
+@pytest.mark.parametrize("form", ["auto", "vector", "gemm", "tiles"])
 def test_dense_cpu_forms_match_reference(dtype, rtol, m, form):
     x, w = _rand((m, 96), dtype, 0), _rand((200, 96), dtype, 1, 0.1)
     y = jax.jit(dense_matmul_cpu, static_argnames="form")(x, w, form=form)
@@ -78,6 +78,87 @@ def test_cpu_forms_make_no_float32_copy_of_a_bf16_weight(m):
     assert not copy.search(_entry(linear, x, w)), "linear materialized a float32 copy of the weight"
     if m > 1:  # the check can fail: the plain form at several rows does copy
         assert copy.search(_entry(dense_matmul, x, w))
+
+
+def _dot_shapes(f, *args) -> list[tuple]:
+    """The output shapes of every dot_general in f's jaxpr."""
+    out = []
+    for e in jax.make_jaxpr(f)(*args).jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(tuple(e.outvars[0].aval.shape))
+    return out
+
+
+@pytest.mark.parametrize("out", [300, 2 * 2048, 2 * 2048 + 2048 + 100])  # one tile, two chains, three and a tail
+@pytest.mark.parametrize("m", [1, 8, 16, 129])
+def test_dense_tiles_are_exact_sums(out, m):
+    """"tiles" (float32 tiles of the weight, each the left operand of its GEMM, in two chains): on integers small
+    enough that every product and float32 sum is exact, exactly numpy's product, every output column in its place
+    (a tile written to the wrong columns, lost, or a tail dropped fails); its dots are [tile, m] (W . x^T)."""
+    from gemmajax.quant.ops import TILE_ROWS
+    rng = np.random.default_rng(out + m)
+    w = jnp.asarray(rng.integers(-8, 8, (out, 64)), bf16)
+    x = jnp.asarray(rng.integers(-8, 8, (m, 64)), bf16)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    f = lambda x, w: dense_matmul_cpu_f32(x, w, form="tiles")
+    y = np.asarray(jax.jit(f)(x, w))
+    assert y.shape == (m, out)
+    np.testing.assert_array_equal(y, want)
+    tiles = [min(TILE_ROWS, out - r0) for r0 in range(0, out, TILE_ROWS)]
+    assert _dot_shapes(f, x, w) == [(t, m) for t in tiles]
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+@pytest.mark.parametrize("m,shape,tiles", [
+    (1, (2048, 640), False), (7, (2048, 640), False), (8, (2048, 640), True), (128, (2048, 640), True),
+    (129, (2048, 640), False), (16, (1024, 640), False),   # rows outside TILES_MIN_M..LHS_MAX_M; under 2**20 weights
+    (16, (640, 2048), True), (16, (4096, 256), True)])
+def test_dense_auto_form_by_hardware_rows_and_size(monkeypatch, flag, m, shape, tiles):
+    """"auto" takes "tiles" only on a CPU without bf16 hardware (GEMMAJAX_CPU_BF16_DOT=0), for 8 to 128 rows of a
+    weight of at least 2**20 elements; else "vector" at one row and the bf16 GEMM. Told apart by their dots: tiles
+    [2048, m] (W . x^T) in float32, the GEMM [m, out] on bf16 operands, the vector form [1, out] in float32."""
+    from gemmajax.quant.ops import LHS_MAX_M, TILES_MIN_M, TILES_MIN_SIZE
+    assert (TILES_MIN_M, LHS_MAX_M, TILES_MIN_SIZE) == (8, 128, 1 << 20)  # the cases' premises
+    monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", flag)
+    x, w = _rand((m, shape[1]), bf16, 40), _rand(shape, bf16, 41, 0.1)
+    f = lambda x, w: dense_matmul_cpu_f32(x, w)
+    dots = _dot_shapes(f, x, w)
+    if tiles and flag == "0":
+        assert dots == [(min(2048, shape[0] - r0), m) for r0 in range(0, shape[0], 2048)], dots
+    else:
+        assert dots == [(m, shape[0])], dots
+    if m <= 16:  # float32 sums: within 1e-5 of the sum of |terms| (an error relative to the terms, not the result)
+        err = np.abs(np.asarray(jax.jit(f)(x, w), np.float64) - _ref(x, w))
+        size = np.abs(np.asarray(x.astype(f32), np.float64)) @ np.abs(np.asarray(w.astype(f32), np.float64)).T
+        assert (err <= 1e-5 * size).all(), (err / size).max()
+
+
+def test_dense_tiles_keep_the_weight_on_the_left_when_compiled():
+    """XLA folds a lone transposed product W . x^T back into x . W^T (YNNPACK then repacks every tile); the barrier
+    stops it: the compiled program keeps float32 [2048, 16] products."""
+    x, w = _rand((16, 256), bf16, 42), _rand((3 * 2048, 256), bf16, 43, 0.1)
+    txt = _entry(lambda x, w: dense_matmul_cpu_f32(x, w, form="tiles"), x, w)
+    assert len(re.findall(r"= f32\[2048,16\]\S* (?:dot|fusion)\(", txt)) == 3, txt
+
+
+def test_dense_tiles_are_widened_one_chain_step_at_a_time(monkeypatch):
+    """Each tile's float32 copy is ordered after the previous product of its chain (`after`): the temporary buffer
+    holds about one tile per chain, where without the ordering XLA widens every tile at the program's start (the
+    640 x 262,144 LM head: 635 MiB of temporaries against 21). Checked against the identity in place of `after`, which
+    must hold them all (else this test proves nothing); the outputs are the same bits."""
+    ops = importlib.import_module("gemmajax.quant.ops")
+    x, w = _rand((16, 256), bf16, 44), _rand((8 * 2048, 256), bf16, 45, 0.1)
+    tile_f32 = 2048 * 256 * 4
+
+    def temp_and_out():
+        c = jax.jit(lambda x, w: ops._dense_tiles(x, w)).lower(x, w).compile()
+        return c.memory_analysis().temp_size_in_bytes, np.asarray(c(x, w))
+    tied, y = temp_and_out()
+    monkeypatch.setattr(ops, "after", lambda x, w: w)
+    hoisted, y_plain = temp_and_out()
+    assert tied <= 3 * tile_f32, (tied, tile_f32)
+    assert hoisted >= 6 * tile_f32, (hoisted, tile_f32)
+    np.testing.assert_array_equal(y, y_plain)
 
 
 # ------------------------------------------------------------------------------------------------ w4a16

@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gemmajax.cpu_features import native_bf16_dot
 from gemmajax.quant.array import QuantArray
 from gemmajax.quant.int4_matmul import int4_matmul
-from gemmajax.quant.int8_matmul import int8_matmul, materialize
+from gemmajax.quant.int8_matmul import LHS_MAX_M, after, int8_matmul, materialize
 from gemmajax.quant.quantize import dequantize_rows
 from gemmajax.quant.sharded import linear_tp
 
@@ -36,24 +37,75 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
                transpose, dot split over the cores), reading a bf16 weight once at memory speed;
       "gemm"   `dot_general(x, w, contract in, preferred f32)` in the weight's own dtype: a YNNPACK GEMM that
                takes bf16 operands natively (no float32 copy of the weight);
-      "auto"   "vector" for one row, else "gemm" (bench/kernels.py). `jnp.dot(x_bf16, w.T)` in a whole model
+      "tiles"  the weight widened to float32 in tiles of TILE_ROWS rows, each tile the left operand of a float32
+               GEMM (W . x^T, int8_matmul.LHS_MAX_M), the tiles in DENSE_CHAINS independent chains (_dense_tiles);
+      "auto"   "vector" for one row; "tiles" on a CPU without bf16 hardware (cpu_features.native_bf16_dot, read
+               when traced) for TILES_MIN_M to LHS_MAX_M rows of a weight of at least TILES_MIN_SIZE elements;
+               else "gemm" (bench/kernels.py; the constants' comment). `jnp.dot(x_bf16, w.T)` in a whole model
                compiles to a float32 copy of every weight per call (10-40x slower at one row).
+    All forms multiply the same bf16 values (exact in float32) with float32 sums.
     """
     return dense_matmul_cpu_f32(x, w, form).astype(x.dtype)
+
+
+# "tiles" for a 16-bit weight on a CPU without bf16 hardware, where XLA:CPU's YNNPACK bf16 GEMM is slow. Measured on a
+# 2-core AMD EPYC Zen 3 (AVX2, jax 0.10.2, 2026-12-07, min ms of alternating calls, load about 1.1 from the script
+# itself; /tmp scripts, not committed), "gemm" / "tiles", in x out: the 640 x 262,144 LM head at 2 / 8 / 16 / 32 / 64
+# / 128 rows 29.9 / 34.5, 54.2 / 45.6, 84.7 / 64.7, 161 / 143, 286 / 239, 554 / 510; 640 x 2048 at 2 / 8 / 16 / 32 /
+# 64 / 128 rows 0.34 / 0.41, 0.48 / 0.47, 0.82 / 0.72, 1.17 / 1.02, 1.96 / 1.83, 3.92 / 3.27; 2048 x 640 0.29 / 0.34,
+# 0.47 / 0.36, 0.83 / 0.63, 1.24 / 0.92, 1.90 / 1.37, 3.83 / 2.86; the smaller ones mixed at 16 rows (640 x 1024 0.43
+# / 0.39, 1024 x 640 0.37 / 0.40, 640 x 256 0.18 / 0.21). The head's tiles as one loop over a dynamic slice ran 161-
+# 332 ms: XLA:CPU widens a sliced bf16 array to float32 before the loop (a 671 MB copy per call), and slicing a uint16
+# view copies the whole weight first; hence static tiles, each ordered after the previous one of its chain (`after`),
+# which XLA would otherwise fuse into one whole-weight copy. By 2 chains / 1: 54.8 / 65.5 ms at 16 rows (tiles of
+# 2,048 rows; 4,096: 71.4 / 62.7); unordered, the head's program held 635 MiB of float32 tiles, ordered 21. Compiling
+# the head's 128 tiles takes about 3 s. Gemma 3 270M at 16 streams with this and w8a8's float32 "wide" as W . x^T
+# (int8_matmul.LHS_MAX_M), before / after, bench/compare_cpu.py runs back to back (load 1.4-1.9, not quiet): paired
+# medians of 6 rounds bf16 102.9 / 142.8 tok/s, w8a8 98.2 / 158.3; one process each bf16 108.9 / 121.8, w8a8 119.3
+# / 150.5.
+TILE_ROWS = 2048
+DENSE_CHAINS = 2
+TILES_MIN_M = 8
+TILES_MIN_SIZE = 1 << 20
+
+
+def _dense_tiles(x2: jax.Array, w: jax.Array, tile: int = TILE_ROWS, chains: int = DENSE_CHAINS) -> jax.Array:
+    """x2 [M, in] times w [out, in] (16-bit floats) -> f32 [M, out]: tiles of `tile` rows widened to float32, each
+    the left operand of a float32 GEMM (W . x^T, transposed back behind an optimization barrier: without it XLA
+    folds the transpose into x . W^T), tile t of chain t % chains ordered after that chain's previous product."""
+    xf = x2.astype(jnp.float32)
+    last = [xf] * chains
+    parts = []
+    for t, r0 in enumerate(range(0, w.shape[0], tile)):
+        wt = after(last[t % chains], w[r0:r0 + tile]).astype(jnp.float32)
+        p = lax.optimization_barrier(lax.dot_general(wt, xf, _NT, precision=lax.Precision.HIGHEST,
+                                                     preferred_element_type=jnp.float32))
+        last[t % chains] = p
+        parts.append(p.T)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def dense_matmul_cpu_f32(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Array:
     """`dense_matmul_cpu` before its one rounding: the float32 sums [..., out] (for a consumer that rounds them
     itself, e.g. the greedy LM head's argmax, without a pass that writes the rounded copy)."""
     x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
     if form == "auto":
-        form = "vector" if x2.shape[0] == 1 else "gemm"
+        if m == 1:
+            form = "vector"
+        elif (TILES_MIN_M <= m <= LHS_MAX_M and w.size >= TILES_MIN_SIZE and jnp.dtype(w.dtype).itemsize == 2
+              and not native_bf16_dot()):
+            form = "tiles"
+        else:
+            form = "gemm"
     if form == "vector":
         y = jnp.dot(materialize(x2.astype(jnp.float32)), w.astype(jnp.float32).T)
     elif form == "gemm":
         y = lax.dot_general(x2, w.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+    elif form == "tiles":
+        y = _dense_tiles(x2, w)
     else:
-        raise ValueError(f"dense_matmul_cpu: form must be 'auto', 'vector' or 'gemm', got {form!r}")
+        raise ValueError(f"dense_matmul_cpu: form must be 'auto', 'vector', 'gemm' or 'tiles', got {form!r}")
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 

@@ -268,6 +268,37 @@ def test_wide_form_in_float32_without_bf16_hardware(g):
     assert same_f32 > 0.95 and same_f32 > same_b16, (same_f32, same_b16)
 
 
+def _dot_out_shapes(f, *args) -> list[tuple]:
+    return [tuple(e.outvars[0].aval.shape) for e in _eqns(jax.make_jaxpr(f)(*args).jaxpr)
+            if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("m", [2, 16, 128, 129])
+def test_float32_wide_form_puts_the_weight_on_the_left_up_to_128_rows(m):
+    """bf16_dot=False "wide": up to LHS_MAX_M rows the float32 levels are the GEMM's left operand (W . x^T, its
+    [N, M] product transposed back), beyond it and with bf16 hardware the activations are (x . W^T); on exact data
+    (levels and activations that make every product and float32 sum exact) the same bits as the reference, and the
+    compiled program keeps the [N, M] product (the barrier: XLA otherwise folds the transpose into x . W^T)."""
+    import re
+
+    from gemmajax.quant.int8_matmul import LHS_MAX_M
+    assert LHS_MAX_M == 128
+    rng = np.random.default_rng(m)
+    n, k = 384, 256
+    wi, xi = rng.integers(-127, 128, (n, k)), rng.integers(-127, 128, (m, k))
+    wi[:, 0], xi[:, ::128] = 127, 127  # every row's and every activation group's maximum 127: scales 1/127 and 1
+    q = quantize(jnp.asarray(wi / 127.0, jnp.float32), "int8", act_group=128)
+    x = jnp.asarray(xi, jnp.bfloat16)
+    f32 = lambda x, q: int8_matmul_xla(x, q, form="wide", bf16_dot=False)
+    b16 = lambda x, q: int8_matmul_xla(x, q, form="wide", bf16_dot=True)
+    assert _dot_out_shapes(f32, x, q) == [(n, m) if m <= 128 else (m, n)]
+    assert _dot_out_shapes(b16, x, q) == [(m, n)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(f32)(x, q)), np.asarray(int8_matmul_ref(x, q)))
+    if m <= 128:
+        txt = jax.jit(f32).lower(x, q).compile().as_text()
+        assert re.search(rf"= f32\[{n},{m}\]\S* (?:dot|fusion)\(", txt), "the left-operand product was folded back"
+
+
 @pytest.mark.parametrize("flag", ["0", "1"])
 def test_cpu_int8_matmul_follows_the_cpus_bf16_hardware(monkeypatch, flag):
     """int8_matmul on the CPU (impl "auto" and "xla") takes "wide" in bf16 only where the CPU has bf16 hardware
