@@ -71,8 +71,9 @@ def _entry(fn, *args) -> str:
 
 @pytest.mark.parametrize("m", [1, 16])
 def test_cpu_forms_make_no_float32_copy_of_a_bf16_weight(m):
-    """The point of the forms: XLA:CPU turns `jnp.dot(x_bf16, w.T)` into a float32 copy of the weight per call
-    (the old code: 10-40x slower); the chosen forms read the bf16 weight directly."""
+    """The point of the forms: XLA:CPU turns `jnp.dot(x_bf16, w.T)` into a float32 copy of the whole weight per call
+    (the old code: 10-40x slower); the chosen forms read the bf16 weight directly ("vector", "gemm") or widen it
+    one 2,048-row tile at a time ("tiles", taken at 16 rows on a CPU without bf16 hardware)."""
     x, w = _rand((1, m, 256), bf16, 4), _rand((4096, 256), bf16, 5, 0.1)
     copy = re.compile(r"= f32\[4096,256\]")
     assert not copy.search(_entry(linear, x, w)), "linear materialized a float32 copy of the weight"
@@ -112,7 +113,7 @@ def test_dense_tiles_are_exact_sums(out, m):
 @pytest.mark.parametrize("m,shape,tiles", [
     (1, (2048, 640), False), (7, (2048, 640), False), (8, (2048, 640), True), (128, (2048, 640), True),
     (129, (2048, 640), False), (16, (1024, 640), False),   # rows outside TILES_MIN_M..LHS_MAX_M; under 2**20 weights
-    (16, (640, 2048), True), (16, (4096, 256), True)])
+    (16, (640, 2048), True), (16, (4096, 256), True), (16, (2048, 640, f32), False)])  # a float32 weight: "gemm"
 def test_dense_auto_form_by_hardware_rows_and_size(monkeypatch, flag, m, shape, tiles):
     """"auto" takes "tiles" only on a CPU without bf16 hardware (GEMMAJAX_CPU_BF16_DOT=0), for 8 to 128 rows of a
     weight of at least 2**20 elements; else "vector" at one row and the bf16 GEMM. Told apart by their dots: tiles
@@ -120,7 +121,8 @@ def test_dense_auto_form_by_hardware_rows_and_size(monkeypatch, flag, m, shape, 
     from gemmajax.quant.ops import LHS_MAX_M, TILES_MIN_M, TILES_MIN_SIZE
     assert (TILES_MIN_M, LHS_MAX_M, TILES_MIN_SIZE) == (8, 128, 1 << 20)  # the cases' premises
     monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", flag)
-    x, w = _rand((m, shape[1]), bf16, 40), _rand(shape, bf16, 41, 0.1)
+    shape, wdt = shape[:2], (shape[2:] or (bf16,))[0]
+    x, w = _rand((m, shape[1]), bf16, 40), _rand(shape, wdt, 41, 0.1)
     f = lambda x, w: dense_matmul_cpu_f32(x, w)
     dots = _dot_shapes(f, x, w)
     if tiles and flag == "0":
@@ -128,7 +130,7 @@ def test_dense_auto_form_by_hardware_rows_and_size(monkeypatch, flag, m, shape, 
     else:
         assert dots == [(m, shape[0])], dots
     if m <= 16:  # float32 sums: within 1e-5 of the sum of |terms| (an error relative to the terms, not the result)
-        err = np.abs(np.asarray(jax.jit(f)(x, w), np.float64) - _ref(x, w))
+        err = np.abs(np.asarray(jax.jit(f)(x, w), np.float64) - _ref(x, w.astype(bf16)))  # "gemm" rounds w to bf16
         size = np.abs(np.asarray(x.astype(f32), np.float64)) @ np.abs(np.asarray(w.astype(f32), np.float64)).T
         assert (err <= 1e-5 * size).all(), (err / size).max()
 

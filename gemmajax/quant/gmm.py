@@ -486,7 +486,11 @@ def _matmul_cpu(x: jax.Array, w: Weight) -> jax.Array:
         # not for one expert's item inside the expert loop
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         return int8_matmul_cpu(x, w, form="int" if 1 < rows < WIDE_MIN_ROWS else "auto")
-    return dense_matmul_cpu(x, w) if jnp.dtype(x.dtype).itemsize == 2 else dense_matmul(x, w)
+    if jnp.dtype(x.dtype).itemsize != 2:
+        return dense_matmul(x, w)
+    # not "tiles" (ops.dense_matmul_cpu): an expert is a dynamic slice of its stack, and XLA:CPU widens a sliced
+    # bf16 array to float32 whole; the float32 tiles were measured for static dense weights only
+    return dense_matmul_cpu(x, w, form="vector" if x.reshape(-1, x.shape[-1]).shape[0] == 1 else "gemm")
 
 
 def _matmul_gpu(x: jax.Array, w: Weight) -> jax.Array:

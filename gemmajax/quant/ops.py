@@ -4,7 +4,8 @@ Design choices: the model calls only `linear` and `take_rows`, with weights in H
 the kind of a QuantArray (static metadata) chooses w8a8 or w4a16, and `impl` chooses the implementation, by
 default at lowering time (Pallas for TPU, XLA elsewhere), so the same jitted model serves CPU, GPU and TPU AOT.
 Plain arrays with 16-bit activations are dispatched at lowering time too: on the CPU to the measured forms of
-`dense_matmul_cpu` (XLA:CPU otherwise copies every bf16 weight to float32 per call), elsewhere to the plain `jnp.dot`.
+`dense_matmul_cpu` (XLA:CPU's plain dot copies every bf16 weight to float32 whole per call; the forms read it as it is,
+or widen it one tile at a time), elsewhere to the plain `jnp.dot`.
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
       "tiles"  the weight widened to float32 in tiles of TILE_ROWS rows, each tile the left operand of a float32
                GEMM (W . x^T, int8_matmul.LHS_MAX_M), the tiles in DENSE_CHAINS independent chains (_dense_tiles);
       "auto"   "vector" for one row; "tiles" on a CPU without bf16 hardware (cpu_features.native_bf16_dot, read
-               when traced) for TILES_MIN_M to LHS_MAX_M rows of a weight of at least TILES_MIN_SIZE elements;
-               else "gemm" (bench/kernels.py; the constants' comment). `jnp.dot(x_bf16, w.T)` in a whole model
-               compiles to a float32 copy of every weight per call (10-40x slower at one row).
-    All forms multiply the same bf16 values (exact in float32) with float32 sums.
+               when traced) for TILES_MIN_M to LHS_MAX_M rows of a 16-bit weight of at least TILES_MIN_SIZE
+               elements; else "gemm" (bench/kernels.py; the constants' comment). `jnp.dot(x_bf16, w.T)` in a whole
+               model compiles to a float32 copy of every weight per call (10-40x slower at one row).
+    For x and w of the same 16-bit dtype every form has the same (exact) products and float32 sums; "gemm" rounds a
+    weight of another dtype to x's, "vector" and "tiles" keep its values. Static weights only for "tiles": a weight
+    sliced at run time (an expert of a stack, quant.gmm) is widened whole by XLA:CPU.
     """
     return dense_matmul_cpu_f32(x, w, form).astype(x.dtype)
 
