@@ -42,7 +42,7 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
                GEMM (W . x^T, int8_matmul.LHS_MAX_M), the tiles in DENSE_CHAINS independent chains (_dense_tiles);
       "auto"   "vector" for one row; "tiles" on a CPU without bf16 hardware (cpu_features.native_bf16_dot, read
                when traced) for TILES_MIN_M to LHS_MAX_M rows of a 16-bit weight of at least TILES_MIN_SIZE
-               elements; else "gemm" (bench/kernels.py; the constants' comment). `jnp.dot(x_bf16, w.T)` in a whole
+               elements and TILES_MIN_OUT rows (two tiles: the LM head); else "gemm" (bench/kernels.py; the constants' comment). `jnp.dot(x_bf16, w.T)` in a whole
                model compiles to a float32 copy of every weight per call (10-40x slower at one row).
     For x and w of the same 16-bit dtype every form has the same (exact) products and float32 sums; "gemm" rounds a
     weight of another dtype to x's, "vector" and "tiles" keep its values. Static weights only for "tiles": a weight
@@ -70,6 +70,11 @@ TILE_ROWS = 2048
 DENSE_CHAINS = 2
 TILES_MIN_M = 8
 TILES_MIN_SIZE = 1 << 20
+# and only for a weight of two tiles or more, whose chains overlap one tile's widening with the other's GEMM. One
+# tile widened then multiplied lost in the whole chain of Gemma 3 270M's 126 layer GEMMs (each weight its own buffer,
+# read from memory; bench/gemm_floor.py, 16 rows, load 0.43): 68.5 ms against 48.6 for the bf16 GEMM (run19), where
+# the same weights alone, in cache, gained (above); the LM head there 47.5 against 76.4.
+TILES_MIN_OUT = 2 * TILE_ROWS
 
 
 def _dense_tiles(x2: jax.Array, w: jax.Array, tile: int = TILE_ROWS, chains: int = DENSE_CHAINS) -> jax.Array:
@@ -96,8 +101,8 @@ def dense_matmul_cpu_f32(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.
     if form == "auto":
         if m == 1:
             form = "vector"
-        elif (TILES_MIN_M <= m <= LHS_MAX_M and w.size >= TILES_MIN_SIZE and jnp.dtype(w.dtype).itemsize == 2
-              and not native_bf16_dot()):
+        elif (TILES_MIN_M <= m <= LHS_MAX_M and w.shape[0] >= TILES_MIN_OUT and w.size >= TILES_MIN_SIZE
+              and jnp.dtype(w.dtype).itemsize == 2 and not native_bf16_dot()):
             form = "tiles"
         else:
             form = "gemm"
