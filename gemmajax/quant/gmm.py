@@ -479,18 +479,18 @@ def _expert(w: Weight, e: jax.Array) -> Weight:
 
 def _matmul_cpu(x: jax.Array, w: Weight) -> jax.Array:
     """The CPU's 2-D forms for one expert: x [C, K] @ w [N, K].T -> [C, N] in x.dtype."""
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
     if isinstance(w, QuantArray):
         if w.kind == "int4":
             return int4_matmul_cpu(x, w)
         # 2-63 rows keep the group loop: "wide" from 2 rows (int8_matmul.wide_pays) was measured for dense layers,
         # not for one expert's item inside the expert loop
-        rows = x.reshape(-1, x.shape[-1]).shape[0]
         return int8_matmul_cpu(x, w, form="int" if 1 < rows < WIDE_MIN_ROWS else "auto")
     if jnp.dtype(x.dtype).itemsize != 2:
         return dense_matmul(x, w)
     # not "tiles" (ops.dense_matmul_cpu): an expert is a dynamic slice of its stack, and XLA:CPU widens a sliced
     # bf16 array to float32 whole; the float32 tiles were measured for static dense weights only
-    return dense_matmul_cpu(x, w, form="vector" if x.reshape(-1, x.shape[-1]).shape[0] == 1 else "gemm")
+    return dense_matmul_cpu(x, w, form="vector" if rows == 1 else "gemm")
 
 
 def _matmul_gpu(x: jax.Array, w: Weight) -> jax.Array:

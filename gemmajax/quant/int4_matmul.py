@@ -88,7 +88,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gemmajax.cpu_features import native_bf16_dot
 from gemmajax.quant.array import WORD, QuantArray, int4_to_halves
-from gemmajax.quant.int8_matmul import after, materialize
+from gemmajax.quant.int8_matmul import LHS_MAX_M, after, materialize
 from gemmajax.quant.quantize import dequantize
 
 _ROW_LOOP_MAX_M = 1  # CPU: "rows" for one row only; from 2 rows the dequantized tiles cost no more (measured)
@@ -488,8 +488,9 @@ _F32_CONCURRENT = 2
 # / float32 W . x^T by 2: 2 rows 59.9 / 58.4 / 37.5, 8 rows 74.8 / 73.5 / 42.7, 16 rows 108.7 / 87.6 / 60.3, 64 rows
 # 306 / 225 / 207, 128 rows 525 / 371 / 379, 256 rows 1011 / 684 / 820. At 128 rows the head is 2 % slower this way
 # and the layers 4 % faster; from 256 both are slower. "auto" keeps "rows" for one row (the head 11.7 against 20.7 ms
-# W . x^T); an explicit "tiles" at one row is W . x^T too.
-_LHS_MAX_M = 128
+# W . x^T); an explicit "tiles" at one row is W . x^T too. The bound is shared with w8a8's float32 "wide" and the
+# dense tiles (int8_matmul.LHS_MAX_M).
+_LHS_MAX_M = LHS_MAX_M
 
 
 def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | None = None,

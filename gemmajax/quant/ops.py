@@ -42,8 +42,9 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
                GEMM (W . x^T, int8_matmul.LHS_MAX_M), the tiles in DENSE_CHAINS independent chains (_dense_tiles);
       "auto"   "vector" for one row; "tiles" on a CPU without bf16 hardware (cpu_features.native_bf16_dot, read
                when traced) for TILES_MIN_M to LHS_MAX_M rows of a 16-bit weight of at least TILES_MIN_SIZE
-               elements and TILES_MIN_OUT rows (two tiles: the LM head); else "gemm" (bench/kernels.py; the constants' comment). `jnp.dot(x_bf16, w.T)` in a whole
-               model compiles to a float32 copy of every weight per call (10-40x slower at one row).
+               elements and TILES_MIN_OUT rows (two tiles: the LM head); else "gemm" (bench/kernels.py; the
+               constants' comment). `jnp.dot(x_bf16, w.T)` in a whole model compiles to a float32 copy of every
+               weight per call (10-40x slower at one row).
     For x and w of the same 16-bit dtype every form has the same (exact) products and float32 sums; "gemm" rounds a
     weight of another dtype to x's, "vector" and "tiles" keep its values. Static weights only for "tiles": a weight
     sliced at run time (an expert of a stack, quant.gmm) is widened whole by XLA:CPU.
