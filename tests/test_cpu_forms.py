@@ -413,3 +413,84 @@ def test_greedy_tokens_are_the_first_maximum_of_the_lm_heads_logits(dtype, softc
         raw = (hf.astype(np.float64) @ e.T.astype(np.float64)).astype(np.float32)
         for r, (a, b) in enumerate(pairs):
             assert raw[r].argmax() == b and got[r] == a, (r, a, b, raw[r].argmax(), got[r])
+
+
+@pytest.mark.parametrize("dtype", [bf16, jnp.float16])
+@pytest.mark.parametrize("rows", [8, 16])
+def test_greedy_tokens_by_tiles_are_the_first_maximum(monkeypatch, dtype, rows):
+    """On a CPU without bf16 hardware, 8 to 128 rows of a table of two 2,048-row tiles or more: greedy_tokens takes
+    each tile's rounded maxima and their first indices as the tile's product is made (ops.dense_argmax_cpu), never
+    the [R, V] logits. The same tokens as numpy's first argmax of `gemma.lm_head`'s logits, on `_near_tie_table`s
+    (a later copy of each row's best one ulp larger: the larger float32 sum, the same rounded logit), over three
+    tiles and a tail; and the compiled head is made of [2048, R] tile products."""
+    from types import SimpleNamespace
+
+    from gemmajax.engine.runner import greedy_tokens
+    from gemmajax.model import gemma
+    monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", "0")
+    rng = np.random.default_rng(rows)
+    v, d = 3 * 2048 + 300, 256
+    h = _rand((rows, d), dtype, 5)
+    hf = np.asarray(h.astype(f32))
+    e, pairs = _near_tie_table(hf, v, dtype, rng)
+    emb = jnp.asarray(e, dtype)
+    cfg = SimpleNamespace(final_logit_softcap=None)
+    fn = lambda t, h: greedy_tokens(SimpleNamespace(embed=t), cfg, h)
+    got = np.asarray(jax.jit(fn)(emb, h))
+    want_logits = np.asarray(jax.jit(lambda t, h: gemma.lm_head(SimpleNamespace(embed=t), cfg, h))(emb, h)
+                             .astype(f32))
+    np.testing.assert_array_equal(got, want_logits.argmax(-1))
+    raw = (hf.astype(np.float64) @ e.T.astype(np.float64)).astype(np.float32)
+    for r, (a, b) in enumerate(pairs):
+        assert raw[r].argmax() == b and got[r] == a, (r, a, b, raw[r].argmax(), got[r])
+    assert len({a // 2048 for a, _ in pairs}) > 1, pairs  # winners in more than one tile
+    txt = _entry(fn, emb, h)
+    assert len(re.findall(rf"= f32\[2048,{rows}\]\S* (?:dot|fusion)\(", txt)) == 3, txt
+    shapes = [tuple(int(n) for n in s.split(",")) for s in re.findall(r"f32\[([\d,]+)\]", txt)]
+    big = [s for s in shapes if rows in s and np.prod(s) >= rows * v]
+    assert not big, f"the whole logits were made: {big}"   # [R, V], or padded to blocks of 512
+
+
+def test_dense_argmax_by_tiles_ties_nans_and_its_temporaries():
+    """ops.dense_argmax_cpu against numpy's argmax of the exact float32 sums (integers: every product and sum
+    exact): ties between tiles and inside one go to the first index, a tail tile's indices are offset right, rounding
+    first (round_to) breaks a float32 order into a tie, and NaN logits still give tokens in the vocabulary. Its
+    temporary buffer holds a few tiles, not the [M, V] sums that `dense_matmul_cpu_f32(form="tiles")` and an argmax
+    hold."""
+    from gemmajax.quant import ops
+    rng = np.random.default_rng(11)
+    v, d, m = 5 * 2048 + 77, 64, 16
+    w = rng.integers(-2, 3, (v, d)).astype(np.float32)
+    x = rng.integers(-2, 3, (m, d)).astype(np.float32)
+    w[[100, 900, 2048 + 5, 4 * 2048 + 70]] = 2.0   # equal best rows, two in tile 0, one in tiles 1 and 4 ...
+    x[:4] = 2.0                                     # ... for rows 0-3 (256): the first, slot 100, must win
+    x[4] = np.where(np.arange(d) % 2, 1.0, -1.0)
+    w[3 * 2048 + 9] = 2 * x[4]                 # row 4's best (128) is alone in tile 3; rows 0-3 get 0 from it
+    x[5] = -1.0
+    w[5 * 2048 + 50] = -3.0                    # row 5's best (192) is in the tail tile
+    x[6] = np.where(np.arange(d) < d // 2, 2.0, -2.0)
+    w[2048 + 500] = 2 * x[6]                   # row 6: 512 here, 513 later (sum of 2 x 4 and one 2 x 4.5) ...
+    w[3 * 2048 + 100] = 2 * x[6]
+    w[3 * 2048 + 100, 0] = 4.5                 # ... the float32 maximum, 512 once rounded to bf16: a tie
+    wb, xb = jnp.asarray(w, bf16), jnp.asarray(x, bf16)
+    sums = x @ w.T
+    got = np.asarray(jax.jit(lambda x, w: ops.dense_argmax_cpu(x, w))(xb, wb))
+    np.testing.assert_array_equal(got, sums.argmax(-1))
+    assert list(got[:7]) == [100, 100, 100, 100, 3 * 2048 + 9, 5 * 2048 + 50, 3 * 2048 + 100], got[:7]
+    wn = w.copy()
+    wn[[2 * 2048 + 1, 4 * 2048 + 3]] = np.nan   # NaN logits in every row: XLA:CPU's max may or may not see them,
+    got = np.asarray(jax.jit(lambda x, w: ops.dense_argmax_cpu(x, w))(xb, jnp.asarray(wn, bf16)))
+    assert ((got >= 0) & (got < v)).all(), got  # but every token is a real one
+    wide = np.asarray(jax.jit(lambda x, w: ops.dense_argmax_cpu(x, w, round_to=bf16))(xb, wb))
+    np.testing.assert_array_equal(wide, np.asarray(jnp.asarray(sums, bf16).astype(f32)).argmax(-1))
+    assert wide[6] == 2048 + 500, wide[6]      # rounded, the first of the tie
+
+    x2, w2 = _rand((m, 64), bf16, 12), _rand((32 * 2048, 64), bf16, 13, 0.1)   # sums 4 MiB, a float32 tile 0.5
+    logits = m * w2.shape[0] * 4
+
+    def temp(fn):
+        return jax.jit(fn).lower(x2, w2).compile().memory_analysis().temp_size_in_bytes
+    by_tiles = temp(lambda x, w: ops.dense_argmax_cpu(x, w))
+    whole = temp(lambda x, w: jnp.argmax(ops.dense_matmul_cpu_f32(x, w, form="tiles"), axis=-1))
+    assert whole >= logits, (whole, logits)       # else the comparison proves nothing
+    assert by_tiles < logits // 2, (by_tiles, logits)

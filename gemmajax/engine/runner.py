@@ -36,7 +36,7 @@ from gemmajax.model import gemma
 from gemmajax.model.gemma import pytree_dataclass
 from gemmajax.parallel import AXIS
 from gemmajax.quant.array import QuantArray
-from gemmajax.quant.ops import dense_matmul, dense_matmul_cpu_f32
+from gemmajax.quant.ops import dense_argmax_cpu, dense_cpu_form, dense_matmul, dense_matmul_cpu_f32
 
 f32 = jnp.float32
 
@@ -339,13 +339,18 @@ def greedy_tokens(weights: gemma.Weights, cfg: ModelConfig, h: jax.Array) -> jax
     Lone, on XLA:CPU, 16 rows of 262,144 logits: 1.9 ms for the float32 copy's argmax, 1.1 for the bf16 logits',
     0.66 rounding inside. Gemma 3 270M bf16, 16-stream step (bench/step_breakdown.py children, alternating, 3 each,
     load 0.9-1.7, not a quiet machine): the float32 copy 61.7-71.9 ms (best of 4 61.7), the bf16 logits' 57.8-63.1 (4)
-    and 59.2-63.0 (3), rounding inside 57.1-59.5 (3)."""
+    and 59.2-63.0 (3), rounding inside 57.1-59.5 (3). Where `dense_matmul_cpu` would take its "tiles" (no bf16
+    hardware, 8 to 128 rows), the argmax is taken tile by tile as each tile's product is made (ops.dense_argmax_cpu):
+    no [R, V] logits at all."""
     e = weights.embed
     if cfg.final_logit_softcap or isinstance(e, QuantArray) or jnp.dtype(h.dtype).itemsize != 2:
         return greedy_argmax(gemma.lm_head(weights, cfg, h))
-    return jax.lax.platform_dependent(
-        h, e, cpu=lambda h, e: greedy_argmax(dense_matmul_cpu_f32(h, e), round_to=h.dtype),
-        default=lambda h, e: greedy_argmax(dense_matmul(h, e)))
+
+    def cpu(h, e):
+        if dense_cpu_form(math.prod(h.shape[:-1]), e) == "tiles":
+            return dense_argmax_cpu(h, e, round_to=h.dtype)
+        return greedy_argmax(dense_matmul_cpu_f32(h, e), round_to=h.dtype)
+    return jax.lax.platform_dependent(h, e, cpu=cpu, default=lambda h, e: greedy_argmax(dense_matmul(h, e)))
 
 
 def model_step_greedy(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp: StepInputs) -> tuple[Any, tuple]:

@@ -78,10 +78,11 @@ TILES_MIN_SIZE = 1 << 20
 TILES_MIN_OUT = 2 * TILE_ROWS
 
 
-def _dense_tiles(x2: jax.Array, w: jax.Array, tile: int = TILE_ROWS, chains: int = DENSE_CHAINS) -> jax.Array:
-    """x2 [M, in] times w [out, in] (16-bit floats) -> f32 [M, out]: tiles of `tile` rows widened to float32, each
-    the left operand of a float32 GEMM (W . x^T, transposed back behind an optimization barrier: without it XLA
-    folds the transpose into x . W^T), tile t of chain t % chains ordered after that chain's previous product."""
+def _tile_products(x2: jax.Array, w: jax.Array, per_tile, tile: int = TILE_ROWS, chains: int = DENSE_CHAINS) -> list:
+    """[per_tile(p) for each tile's product p]: x2 [M, in] times w [out, in] (16-bit floats) in tiles of `tile` rows
+    widened to float32, each the left operand of a float32 GEMM, p = W_t . x^T f32 [rows, M] behind an optimization
+    barrier (without it XLA folds a following transpose into x . W^T), tile t of chain t % chains ordered after that
+    chain's previous product."""
     xf = x2.astype(jnp.float32)
     last = [xf] * chains
     parts = []
@@ -90,8 +91,54 @@ def _dense_tiles(x2: jax.Array, w: jax.Array, tile: int = TILE_ROWS, chains: int
         p = lax.optimization_barrier(lax.dot_general(wt, xf, _NT, precision=lax.Precision.HIGHEST,
                                                      preferred_element_type=jnp.float32))
         last[t % chains] = p
-        parts.append(p.T)
+        parts.append(per_tile(p))
+    return parts
+
+
+def _dense_tiles(x2: jax.Array, w: jax.Array, tile: int = TILE_ROWS, chains: int = DENSE_CHAINS) -> jax.Array:
+    """x2 [M, in] times w [out, in] (16-bit floats) -> f32 [M, out], by `_tile_products`, each transposed back."""
+    parts = _tile_products(x2, w, lambda p: p.T, tile, chains)
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _first_max(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(max over axis 0, int32 index of its first occurrence) of v [N, M]. Two plain reductions: XLA:CPU's variadic
+    argmax reduction is not vectorized (sampler._argmax). NaN: XLA:CPU's vectorized max does not reliably propagate
+    it (nor, so, does the sampler's argmax), so which index a column with a NaN gets is unspecified, but it is in
+    range: a NaN counts as a hit, and the index is clamped."""
+    top = jnp.max(v, axis=0)
+    hit = (v == top) | jnp.isnan(v)   # a NaN top still finds an index
+    idx = jnp.min(jnp.where(hit, lax.broadcasted_iota(jnp.int32, v.shape, 0), v.shape[0] - 1), axis=0)
+    return top, idx
+
+
+def dense_argmax_cpu(x: jax.Array, w: jax.Array, round_to=None, tile: int = TILE_ROWS,
+                     chains: int = DENSE_CHAINS) -> jax.Array:
+    """int32 [...]: the first index of the maximum of `dense_matmul_cpu_f32(x, w, form="tiles")` over its last axis,
+    each sum rounded to `round_to` first when given (the greedy LM head's token, sampler._argmax's rule), without
+    the [M, out] sums: each tile's product is reduced to its rows' (rounded) maxima and their first indices as it is
+    made, then the tiles' winners are compared. Why: on the 2-core Zen 3 (no bf16 hardware) the 16-row bf16 decode
+    step of Gemma 3 270M kept its 16.8 MB of float32 logits beside the transposed tiles in a 33.6 MB temporary
+    buffer, just over the 32 MiB mmap threshold that engine.cpu_malloc sets (glibc's largest), so a fresh mapping,
+    page-faulted, every step; this program's temporaries are a few tiles (not timed on that machine yet)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rnd = (lambda v: v) if round_to is None else (lambda v: v.astype(round_to))
+    parts = _tile_products(x2, w, lambda p: _first_max(rnd(p)), tile, chains)
+    tops = jnp.stack([t for t, _ in parts])     # [tiles, M]
+    idxs = jnp.stack([i for _, i in parts])
+    _, win = _first_max(tops)                   # the first tile holding the maximum
+    tok = win * tile + jnp.take_along_axis(idxs, win[None], axis=0)[0]
+    return tok.reshape(x.shape[:-1])
+
+
+def dense_cpu_form(m: int, w: jax.Array) -> str:
+    """The form `dense_matmul_cpu`'s "auto" takes for m rows of the plain weight w [out, in] (module constants)."""
+    if m == 1:
+        return "vector"
+    if (TILES_MIN_M <= m <= LHS_MAX_M and w.shape[0] >= TILES_MIN_OUT and w.size >= TILES_MIN_SIZE
+            and jnp.dtype(w.dtype).itemsize == 2 and not native_bf16_dot()):
+        return "tiles"
+    return "gemm"
 
 
 def dense_matmul_cpu_f32(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Array:
@@ -100,13 +147,7 @@ def dense_matmul_cpu_f32(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     if form == "auto":
-        if m == 1:
-            form = "vector"
-        elif (TILES_MIN_M <= m <= LHS_MAX_M and w.shape[0] >= TILES_MIN_OUT and w.size >= TILES_MIN_SIZE
-              and jnp.dtype(w.dtype).itemsize == 2 and not native_bf16_dot()):
-            form = "tiles"
-        else:
-            form = "gemm"
+        form = dense_cpu_form(m, w)
     if form == "vector":
         y = jnp.dot(materialize(x2.astype(jnp.float32)), w.astype(jnp.float32).T)
     elif form == "gemm":
