@@ -120,7 +120,9 @@ def dense_argmax_cpu(x: jax.Array, w: jax.Array, round_to=None, tile: int = TILE
     made, then the tiles' winners are compared. Why: on the 2-core Zen 3 (no bf16 hardware) the 16-row bf16 decode
     step of Gemma 3 270M kept its 16.8 MB of float32 logits beside the transposed tiles in a 33.6 MB temporary
     buffer, just over the 32 MiB mmap threshold that engine.cpu_malloc sets (glibc's largest), so a fresh mapping,
-    page-faulted, every step; this program's temporaries are a few tiles (not timed on that machine yet)."""
+    page-faulted, every step; this program's temporaries are a few tiles (11.3 MB for that step). Timed with the
+    tiles forced on a Zen 4 (GEMMAJAX_CPU_BF16_DOT=0; bench/compare_cpu.py, 16 streams, one round each): 99.9 -> 71.8
+    ms a step, against a GEMM floor of 65-69 ms; not yet on a Zen 3 (docs/cpu_notes_2026-12-07_c.md)."""
     x2 = x.reshape(-1, x.shape[-1])
     rnd = (lambda v: v) if round_to is None else (lambda v: v.astype(round_to))
     parts = _tile_products(x2, w, lambda p: _first_max(rnd(p)), tile, chains)
