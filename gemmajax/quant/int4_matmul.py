@@ -60,7 +60,7 @@ Since 2026-12-06 "auto" is "rows" for one row and "tiles" (the bf16 / dense form
 CPU without bf16 hardware (int4_matmul_cpu) activations of either dtype take float32 tiles, two per loop iteration,
 each tile the GEMM's left operand (W . x^T) up to 128 rows (Zen 3, min ms: the 16-row head 60.3 this way, 87.6 with
 x . W^T float32 tiles, the form before, 108.7 with bf16 tiles; 126 layer GEMMs at 16 rows 21.8 against 32.6; figures
-by _F32_CONCURRENT and _LHS_MAX_M; docs/cpu_notes_2026-12-06.md).
+by _F32_CONCURRENT and LHS_MAX_M; docs/cpu_notes_2026-12-06.md).
 
 Since 2026-12-07 the engine gives a CPU's dense int4 weights the word layout (array.py: uint32, nibble i of word d is
 column 8d + i; LLMEngine via int4_words_tree). "rows" is then one dot over the live columns whose loop broadcasts a
@@ -488,9 +488,8 @@ _F32_CONCURRENT = 2
 # / float32 W . x^T by 2: 2 rows 59.9 / 58.4 / 37.5, 8 rows 74.8 / 73.5 / 42.7, 16 rows 108.7 / 87.6 / 60.3, 64 rows
 # 306 / 225 / 207, 128 rows 525 / 371 / 379, 256 rows 1011 / 684 / 820. At 128 rows the head is 2 % slower this way
 # and the layers 4 % faster; from 256 both are slower. "auto" keeps "rows" for one row (the head 11.7 against 20.7 ms
-# W . x^T); an explicit "tiles" at one row is W . x^T too. The bound is shared with w8a8's float32 "wide" and the
-# dense tiles (int8_matmul.LHS_MAX_M).
-_LHS_MAX_M = LHS_MAX_M
+# W . x^T); an explicit "tiles" at one row is W . x^T too. The bound, int8_matmul.LHS_MAX_M, is shared with w8a8's
+# float32 "wide" and the dense tiles.
 
 
 def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | None = None,
@@ -551,7 +550,7 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
       "tiles"  tiles of 2,048 weight rows dequantized (exactly, into the activations' dtype) and multiplied by
                YNNPACK GEMMs: native bf16 for bf16 x, float32 for float32 x; with bf16_dot=False (a CPU without bf16
                hardware, int4_matmul_cpu) float32 tiles for either, the tile the GEMM's left operand up to
-               _LHS_MAX_M rows (measured there);
+               LHS_MAX_M rows (measured there);
       "auto"   "rows" up to _ROW_LOOP_MAX_M rows (measured crossovers; module docstring), else "tiles".
     "bf16" (bf16 x only, bf16 tiles always) and "dense" (float32 x) are older names of "tiles", kept for callers.
     Every form multiplies the activations in their compute dtype (bf16 values for bf16 x, x itself otherwise) by
@@ -566,8 +565,8 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
                          f"would change the float32 model's products); use 'tiles' or 'auto'")
     if form == "auto":
         form = "rows" if m <= _ROW_LOOP_MAX_M else "tiles"
-    if form in ("tiles", "dense") and not bf16_dot:  # float32 tiles, W . x^T up to _LHS_MAX_M rows
-        return _finish(_tiles(xb.astype(jnp.float32), w, out_dtype=xb.dtype, lhs=m <= _LHS_MAX_M), x, w)
+    if form in ("tiles", "dense") and not bf16_dot:  # float32 tiles, W . x^T up to LHS_MAX_M rows
+        return _finish(_tiles(xb.astype(jnp.float32), w, out_dtype=xb.dtype, lhs=m <= LHS_MAX_M), x, w)
     if form in ("tiles", "bf16", "dense"):
         return _finish(_tiles(xb, w, out_dtype=xb.dtype), x, w)  # xb: bf16 for bf16 x, else float32
     if form != "rows":
@@ -580,7 +579,7 @@ def int4_matmul_xla(x: jax.Array, w: QuantArray, *, form: str = "auto", bf16_dot
 def int4_matmul_cpu(x: jax.Array, w: QuantArray, *, form: str = "auto") -> jax.Array:
     """int4_matmul_xla for this host's CPU: the "tiles" / "auto" forms take bf16 tiles only where the CPU multiplies
     bf16 in hardware (cpu_features.native_bf16_dot, read when traced: JAX reuses a trace for the same shapes, so the
-    answer is the process's first); elsewhere float32 tiles, W . x^T up to _LHS_MAX_M rows (measured: _LHS_MAX_M's
+    answer is the process's first); elsewhere float32 tiles, W . x^T up to LHS_MAX_M rows (measured: LHS_MAX_M's
     comment). form="bf16" keeps bf16 tiles either way."""
     return int4_matmul_xla(x, w, form=form, bf16_dot=native_bf16_dot())
 

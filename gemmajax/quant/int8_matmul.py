@@ -90,14 +90,14 @@ WIDE_MIN_ROWS = 64  # "wide" for any weight from here (the per-call conversion a
 WIDE_SMALL_ROWS = 2  # and from here for a grouped weight whose bf16 copy is at most WIDE_SMALL_MAX_BYTES
 WIDE_SMALL_MAX_BYTES = 8 << 20  # Gemma 3 270M's largest projection: 2.6 MB; unmeasured above it
 # Up to this many rows a CPU without bf16 hardware multiplies a float32 weight (w8a8 "wide" levels, a dense bf16
-# weight's float32 tiles: ops.dense_matmul_cpu_f32, int4 tiles: int4_matmul._LHS_MAX_M) as the GEMM's left operand,
+# weight's float32 tiles: ops.dense_matmul_cpu_f32, int4 tiles: int4_matmul._tiles) as the GEMM's left operand,
 # W . x^T, the small [N, M] product transposed back behind an optimization barrier (without it XLA folds the
 # transpose into x . W^T): XLA:CPU's YNNPACK GEMM then reads the weight as it is, where x . W^T first transposes it
 # into its packed layout. The same products and sums. w8a8 "wide" (act_group 128, float32 levels), 2-core AMD EPYC
 # Zen 3 (AVX2, jax 0.10.2, 2026-12-07, min of 60 alternating calls, load 1.1 from the script itself), ms x . W^T /
 # W . x^T, in x out: 16 rows 640 x 2048 0.66 / 0.56, 2048 x 640 0.79 / 0.61, 640 x 1024 0.45 / 0.32, 1024 x 640
 # 0.45 / 0.30, 640 x 256 0.22 / 0.14 (a Gemma 3 270M layer 3.46 / 2.62); 64 rows 1.74 / 1.68, 1.40 / 1.19,
-# 0.89 / 0.82, 0.84 / 0.69, 0.38 / 0.37. 128 is where the int4 tiles' gain ended (int4_matmul._LHS_MAX_M).
+# 0.89 / 0.82, 0.84 / 0.69, 0.38 / 0.37. 128 is where the int4 tiles' gain ended (int4_matmul's comment above _tiles).
 LHS_MAX_M = 128
 
 

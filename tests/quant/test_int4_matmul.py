@@ -213,14 +213,14 @@ def _loop_dots(f, *args) -> int:
 def test_tiles_without_bf16_hardware_are_float32_and_the_gemms_left_operand(m):
     """bf16_dot=False (int4_matmul_cpu on a CPU without bf16 hardware): the tiles form, and "auto" from 2 rows,
     multiplies float32 tiles by float32 activations (bf16 x widened), 2 tiles per loop iteration, each tile the GEMM's
-    left operand (W . x^T) up to _LHS_MAX_M rows and its right one above; bf16_dot=True keeps x . W^T, in bf16 for
+    left operand (W . x^T) up to LHS_MAX_M rows and its right one above; bf16_dot=True keeps x . W^T, in bf16 for
     bf16 x (4 tiles per iteration) and float32 for float32 x (2); "dense" is "tiles", and "bf16" keeps bf16 tiles
     and x . W^T either way. n: 4 iterations of 2 tiles, or 2 of 4, then a whole tile and a partial one; and a weight
     of one tile (no loop). Every way gives the reference's bits on exact data (the same products), in x's dtype, and
     random data within the bf16 forms' tolerance."""
-    from gemmajax.quant.int4_matmul import _LHS_MAX_M
+    from gemmajax.quant.int4_matmul import LHS_MAX_M
     from tests.quant.test_int8_matmul import _eqns
-    assert _LHS_MAX_M == 128  # the cases' premise: 128 rows are W . x^T, 129 are not
+    assert LHS_MAX_M == 128  # the cases' premise: 128 rows are W . x^T, 129 are not
 
     def dots(f, *args):  # (operand dtypes, whether the weight tile is the left operand) of every dot_general
         out = set()
