@@ -19,7 +19,7 @@ import numpy as np
 from gemmajax.config import ModelConfig
 from gemmajax.engine import media_inputs
 from gemmajax.engine.block_manager import BlockManager, KVGroupSpec
-from gemmajax.engine.cpu_malloc import keep_freed_memory
+from gemmajax.engine.cpu_malloc import huge_pages, keep_freed_memory
 from gemmajax.engine.runner import ModelRunner, RunnerSpec, build_step_inputs, bucket, kv_groups, plan_pages, \
     pow2_buckets, stack_layers, step_shapes, token_buckets
 from gemmajax.engine.sample_batch import SamplerBatch, plain_greedy, sample_step
@@ -185,6 +185,8 @@ class LLMEngine:
             words = int4_words_tree(dataclasses.replace(weights, ple_table=None))
             weights = dataclasses.replace(words, ple_table=weights.ple_table)
         self.runner = ModelRunner(stack_layers(weights) if stack else weights, self.spec)
+        if cpu_alone:  # every step streams the weights: 2 MiB pages, far fewer page walks (cpu_malloc.huge_pages)
+            huge_pages((self.runner.weights, self.runner.kv))
         logger.info(self.kv_summary())
         self.t_buckets = config.token_buckets or token_buckets(16, config.max_num_batched_tokens,
                                                                 dense=jax.default_backend() == "cpu")
