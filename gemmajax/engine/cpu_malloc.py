@@ -14,26 +14,31 @@ malloc; GEMMAJAX_CPU_MALLOC=default leaves glibc's defaults. No-op off glibc.
 
 huge_pages(tree) backs the buffers of an engine's weights and KV cache with transparent huge pages (2 MiB on
 x86-64): madvise(MADV_HUGEPAGE), then MADV_COLLAPSE (Linux 6.1+) to move the pages already written into huge ones
-at once. With the kernel's default "madvise" THP mode nothing else gets huge pages, so a decode step that streams
-270 MB of weights walked the page tables for 66,000 4 KiB pages. Measured on a 2-core AMD EPYC Zen 4 (Gemma 3
-270M, 24-token prompts, 64 new tokens, fresh processes alternating off / on, best of 3 generates per process, load
-0.7-1.7 from the runs themselves, 2026-12-07), tok/s with 4 KiB pages against huge pages:
+at once. In the "madvise" THP mode (what Debian and Ubuntu ship, and these machines run) nothing else gets huge
+pages, so a decode step that streams 270 MB of weights walked the page tables for 66,000 4 KiB pages. Measured on a
+2-core AMD EPYC Zen 4 (Gemma 3 270M, 24-token prompts, 64 new tokens, fresh processes alternating off / on, best of
+3 generates per process, load 0.7-1.7 from the runs themselves, 2026-12-07), tok/s with 4 KiB pages against huge
+pages:
   w8a8+emb8, 1 stream: 103.9 / 111.1 / 95.6 / 100.3 / 100.7 / 100.6 against 117.2 / 112.7 / 97.1 / 104.9 / 106.7 /
   102.5 (every pair faster, 1.01-1.13x);
   w4a16+emb4, 1 stream: 77.5 / 78.0 / 67.6 against 79.7 / 77.9 / 77.4;
   w8a8+emb8, 16 streams: 300.7 / 310.5 / 314.1 against 310.0 / 314.0 / 297.9 (no change; presumably because the GEMMs
   there are bound by YNNPACK's kernels and packing, not by memory: not profiled).
-The contents are unchanged; the memory is the same (only whole aligned 2 MiB runs inside a buffer are advised).
-GEMMAJAX_CPU_HUGE_PAGES=off leaves the pages as they are. Nothing happens where the kernel has no transparent huge
-pages.
+Only whole aligned huge pages inside a live buffer are advised, so the buffers' contents and size do not change. The
+advice stays on those addresses after a buffer is freed (a later allocation there may get huge pages too). Where
+the kernel refuses the collapse (before 6.1, THP disabled for the process, no free huge page) the advice stays and
+the kernel's khugepaged may collapse the pages later; this is logged, never an error. GEMMAJAX_CPU_HUGE_PAGES=off
+leaves the pages as they are. Nothing happens where the kernel has no transparent huge pages.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import logging
 import os
 
-import jax
+logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
@@ -79,33 +84,56 @@ def _huge_page_size() -> int:
         return 0
 
 
-def huge_pages(tree) -> int:
-    """Advise huge pages for the CPU buffers of every jax.Array in `tree` and collapse the pages already in them
-    (module docstring). Returns the bytes the kernel collapsed into huge pages (0: off, not Linux, no THP, or
-    nothing of 2 MiB aligned). A buffer the kernel refuses (an old kernel without MADV_COLLAPSE, no free huge page)
-    keeps its pages: the advice is a hint, never an error."""
-    setting = os.environ.get("GEMMAJAX_CPU_HUGE_PAGES", "on")
-    if setting not in ("on", "off"):
-        raise ValueError(f"GEMMAJAX_CPU_HUGE_PAGES must be 'on' or 'off', got {setting!r}")
-    size = _huge_page_size() if setting == "on" else 0
-    if not size:
-        return 0
+def _madvise():
+    """libc's madvise(addr, length, advice) -> 0, or -1 with errno set; None without a libc that has it."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
+        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
     except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    collapsed = 0
+        return None
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return f
+
+
+def huge_runs(tree, size: int) -> list[tuple[int, int]]:
+    """[start, end) addresses of the whole aligned `size`-byte runs inside the CPU buffers of the jax.Arrays in
+    `tree` (each addressable shard's buffer as XLA holds it: on_device_size_in_bytes); other leaves are skipped."""
+    import jax
+    runs = []
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, jax.Array) or leaf.is_deleted():
             continue
         for shard in leaf.addressable_shards:
-            if shard.device.platform != "cpu" or shard.data.nbytes < size:
+            if shard.device.platform != "cpu":
                 continue
-            p = shard.data.unsafe_buffer_pointer()
-            start, end = -(-p // size) * size, (p + shard.data.nbytes) // size * size
-            if end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0 \
-                    and madvise(start, end - start, MADV_COLLAPSE) == 0:
-                collapsed += end - start
+            p, n = shard.data.unsafe_buffer_pointer(), shard.data.on_device_size_in_bytes()
+            start, end = -(-p // size) * size, (p + n) // size * size
+            if end > start:
+                runs.append((start, end))
+    return runs
+
+
+def huge_pages(tree) -> int:
+    """Advise huge pages for the CPU buffers of every jax.Array in `tree` and collapse the pages already in them
+    (module docstring). Returns the bytes the kernel collapsed into huge pages (0: off, not Linux, no THP, or no
+    whole aligned huge page in any buffer). A run the kernel refuses is not counted; the first refusal's errno is
+    logged."""
+    setting = os.environ.get("GEMMAJAX_CPU_HUGE_PAGES", "on")
+    if setting not in ("on", "off"):
+        raise ValueError(f"GEMMAJAX_CPU_HUGE_PAGES must be 'on' or 'off', got {setting!r}")
+    size = _huge_page_size() if setting == "on" else 0
+    madvise = _madvise() if size else None
+    if madvise is None:
+        return 0
+    collapsed, refused, first = 0, 0, None
+    for start, end in huge_runs(tree, size):
+        if madvise(start, end - start, MADV_HUGEPAGE) == 0 and madvise(start, end - start, MADV_COLLAPSE) == 0:
+            collapsed += end - start
+            continue
+        refused += end - start
+        first = first or errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+    if refused:
+        logger.info("huge pages: %d MiB collapsed, %d MiB refused (%s; advised, the kernel may collapse them later)",
+                    collapsed >> 20, refused >> 20, first)
+    else:
+        logger.info("huge pages: %d MiB of weights and KV cache collapsed", collapsed >> 20)
     return collapsed
