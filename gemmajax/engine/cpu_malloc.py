@@ -72,12 +72,20 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # linux/mman.h
 _THP = "/sys/kernel/mm/transparent_hugepage"
 
 
-def _huge_page_size() -> int:
-    """The transparent huge page size in bytes (2 MiB on x86-64), or 0 where the kernel has none (or they are off)."""
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"), or None where it has none."""
     try:
         with open(f"{_THP}/enabled") as f:
-            if "[never]" in f.read():
-                return 0
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _huge_page_size() -> int:
+    """The transparent huge page size in bytes (2 MiB on x86-64), or 0 where the kernel has none (or they are off)."""
+    if _thp_mode() in (None, "never"):
+        return 0
+    try:
         with open(f"{_THP}/hpage_pmd_size") as f:
             return int(f.read())
     except (OSError, ValueError):

@@ -97,21 +97,12 @@ print(json.dumps({"p": p, "n": n, "m0": m0, "m1": mapping(start), "got": got,
 _HUGE_PAGE = 2 << 20
 
 
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
 def _collapse_works() -> bool:
     """Linux with 2 MiB transparent huge pages where this process may collapse a written 4 MiB anonymous mapping
     (MADV_COLLAPSE: Linux 6.1+, THP not off nor disabled for the process, a huge page free)."""
     import ctypes
     import mmap
-    if not sys.platform.startswith("linux") or _thp_mode() in (None, "never") \
-            or cpu_malloc._huge_page_size() != _HUGE_PAGE:
+    if not sys.platform.startswith("linux") or cpu_malloc._huge_page_size() != _HUGE_PAGE:  # 0: no THP, or off
         return False
     madvise = cpu_malloc._madvise()
     m = mmap.mmap(-1, 2 * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # anonymous memory, not shmem
@@ -151,7 +142,7 @@ def test_huge_pages_back_exactly_the_whole_aligned_runs():
     lo, hi, kb, flags = r["m1"]
     assert r["got"] == end - start and (lo, hi) == (start, end) and "hg" in flags.split(), r
     assert kb * 1024 == end - start, r
-    if _thp_mode() == "madvise":  # nothing else gives this process huge pages
+    if cpu_malloc._thp_mode() == "madvise":  # nothing else gives this process huge pages
         assert r["m0"][2] == 0, r
     assert r["same"], r
 
