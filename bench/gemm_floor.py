@@ -1,7 +1,8 @@
 """The GEMM floor of one decode step on this machine: every weight matmul of the model's step, run alone.
 
 A decode step of S streams multiplies S rows by every weight matrix (the 7 projections of each layer and the tied
-LM head). This script runs exactly that sequence of GEMMs, with bf16 weights of the model's shapes (random values,
+LM head; for XLA:CPU the 4 matmuls a layer of the CPU engine runs, q / k / v and gate / up joined:
+gemma.fuse_projections). This script runs exactly that sequence of GEMMs, with bf16 weights of the model's shapes (random values,
 each matrix its own buffer, so nothing stays in cache between layers as in the real step), and nothing else:
 no attention, norms, sampling or dispatch. The time it prints is a floor for the whole step with that GEMM
 library, and S / time the most tokens/s any engine built on it can decode. It runs through XLA:CPU (what
@@ -57,14 +58,20 @@ import sys
 from compare_cpu import best_of  # bench/ is on sys.path: this script runs as bench/gemm_floor.py
 
 
-def shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """([out, in] of every layer projection, in step order), [out, in] of the LM head."""
+def shapes(cfg, fused: bool = False) -> tuple[list[tuple[int, int, int]], tuple[int, int]]:
+    """([out, in, feeds] of every layer projection in step order, [out, in] of the LM head). `feeds` is the width of
+    the output's first columns that the next GEMM reads: all of them, except for the engine's joined weights
+    (fused: q / k / v and gate / up, gemma.fuse_projections, which the CPU engine multiplies), whose q part feeds
+    o_proj and whose gate part stands for the gate * up product that feeds down_proj."""
     d, n = cfg.hidden_size, cfg.num_heads
     layers = []
     for spec in cfg.layers:
-        q, kv = n * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        layers += [(q, d), (kv, d)] + ([] if spec.k_eq_v else [(kv, d)]) + [(d, q)]
-        layers += [(spec.mlp_dim, d), (spec.mlp_dim, d), (d, spec.mlp_dim)]
+        q, kv, f = n * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.mlp_dim
+        qkv = [(q, d, q), (kv, d, kv)] + ([] if spec.k_eq_v else [(kv, d, kv)])
+        if fused and spec.owns_kv:
+            qkv = [(sum(o for o, _, _ in qkv), d, q)]
+        mlp = [(2 * f, d, f)] if fused else [(f, d, f), (f, d, f)]
+        layers += qkv + [(d, q, d)] + mlp + [(d, f, d)]
     return layers, (cfg.vocab_size, d)
 
 
@@ -102,7 +109,8 @@ def child_xla(layer_shapes, head, rows, reps, kinds=("bf16",)) -> dict:
     from gemmajax.quant.ops import linear
 
     rng = np.random.default_rng(0)  # std 1 / sqrt(in): each product keeps its input's scale along the chain
-    ws16 = [jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[1]), jnp.bfloat16) for s in layer_shapes]
+    ws16 = [jnp.asarray(rng.standard_normal(s[:2], np.float32) / np.sqrt(s[1]), jnp.bfloat16) for s in layer_shapes]
+    feeds = tuple(s[2] for s in layer_shapes)
     head16 = jnp.asarray(rng.standard_normal(head, np.float32) / np.sqrt(head[1]), jnp.bfloat16)
     out: dict = {}
 
@@ -112,13 +120,13 @@ def child_xla(layer_shapes, head, rows, reps, kinds=("bf16",)) -> dict:
     @jax.jit
     def layers(xs, ws):
         """The step's data flow: each GEMM reads the latest output of its input width (q / k / v the previous
-        layer's down_proj, o_proj q's, gate / up o_proj's, down_proj up's), so that, as in the model, a weight's
-        per-call conversion cannot be scheduled before its input exists (int8_matmul.after); every product is
-        kept (one element of each summed), so none is dead code."""
+        layer's down_proj, o_proj q's, gate / up o_proj's, down_proj up's; a joined weight's first columns), so
+        that, as in the model, a weight's per-call conversion cannot be scheduled before its input exists
+        (int8_matmul.after); every product is kept (one element of each summed), so none is dead code."""
         acc, latest = jnp.zeros((), jnp.float32), dict(xs)
-        for w in ws:
+        for w, feed in zip(ws, feeds):
             y = linear(latest[w.shape[1]], w)
-            latest[w.shape[0]] = y
+            latest[feed] = y[:, :feed]
             acc += y[0, 0].astype(jnp.float32)
         return acc
 
@@ -139,7 +147,7 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
     g = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(s, generator=g) * 0.05).bfloat16() for s in layer_shapes]
+    ws = [(torch.randn(s[:2], generator=g) * 0.05).bfloat16() for s in layer_shapes]
     w_head = (torch.randn(head, generator=g) * 0.05).bfloat16()
     out = {}
     with torch.inference_mode():
@@ -163,12 +171,14 @@ def measure(model_path: str | None = None, rows=(1, 16), reps: int = 5, rounds: 
     from gemmajax.model.gguf import default_model_path
     from gemmajax.model.loader import open_checkpoint
     cfg = open_checkpoint(model_path or default_model_path()).config
-    layer_shapes, head = shapes(cfg)
+    (layer_shapes, head), fused = shapes(cfg), shapes(cfg, fused=True)[0]
     kinds = tuple(dict.fromkeys(("bf16", *kinds)))
-    res: dict = {"layers": layer_shapes, "head": head, **{e: {} for e in engines}, "xla_kinds": {}}
+    res: dict = {"layers": layer_shapes, "fused_layers": fused, "head": head, **{e: {} for e in engines},
+                 "xla_kinds": {}}
     for _ in range(rounds):  # alternating rounds, best of all: other tenants of the machine come and go
-        for engine in engines:
-            spec = json.dumps({"engine": engine, "layers": layer_shapes, "head": head, "rows": list(rows),
+        for engine in engines:   # XLA: the CPU engine's joined weights; torch: transformers' projections
+            spec = json.dumps({"engine": engine, "layers": fused if engine == "xla" else layer_shapes, "head": head,
+                               "rows": list(rows),
                                "reps": reps, "kinds": list(kinds)})
             env = dict(os.environ, JAX_PLATFORMS="cpu")
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
@@ -213,8 +223,9 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} before the run", flush=True)
     res = measure(args.model_path, args.rows, args.reps, args.rounds, kinds=args.kinds)
     layer_shapes, head = res["layers"], res["head"]
-    print(f"{len(layer_shapes)} layer GEMMs + LM head {head[0]} x {head[1]}; bf16 weights "
-          f"{(sum(a * b for a, b in layer_shapes) + head[0] * head[1]) * 2 / 1e6:.0f} MB; load average at the end "
+    print(f"{len(res['fused_layers'])} layer GEMMs for XLA:CPU (the engine's joined q / k / v and gate / up), "
+          f"{len(layer_shapes)} for torch, + LM head {head[0]} x {head[1]}; bf16 weights "
+          f"{(sum(s[0] * s[1] for s in layer_shapes) + head[0] * head[1]) * 2 / 1e6:.0f} MB; load average at the end "
           f"{os.getloadavg()[0]:.2f}")
     print("| rows | XLA:CPU layers ms | XLA:CPU LM head ms | XLA:CPU step floor ms | tok/s bound | torch layers ms "
           "| torch LM head ms | torch step floor ms | tok/s bound |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -111,17 +111,19 @@ def test_dense_tiles_are_exact_sums(out, m):
 
 @pytest.mark.parametrize("flag", ["0", "1"])
 @pytest.mark.parametrize("m,shape,tiles", [
-    (1, (4096, 640), False), (7, (4096, 640), False), (8, (4096, 640), True), (128, (4096, 640), True),
-    (129, (4096, 640), False),  # rows outside TILES_MIN_M..LHS_MAX_M
-    (16, (4096, 256), True), (16, (4095, 256), False),  # 2**20 elements in two tiles / 4095 rows: under 2**20
+    (1, (6144, 640), False), (7, (6144, 640), False), (8, (6144, 640), True), (128, (6144, 640), True),
+    (129, (6144, 640), False),  # rows outside TILES_MIN_M..LHS_MAX_M
+    (16, (4097, 256), True),  # 2**20 elements and more than two tiles (the last of one row)
+    (16, (4096, 256), False),  # exactly two tiles (Gemma 3 270M's gate and up joined): the GEMM
+    (16, (8192, 96), False),  # four tiles, under 2**20 elements
     (16, (2048, 640), False), (16, (640, 2048), False),  # one tile: the GEMM (measured in the whole chain)
-    (16, (4096, 640, f32), False)])  # a float32 weight: "gemm"
+    (16, (6144, 640, f32), False)])  # a float32 weight: "gemm"
 def test_dense_auto_form_by_hardware_rows_and_size(monkeypatch, flag, m, shape, tiles):
     """"auto" takes "tiles" only on a CPU without bf16 hardware (GEMMAJAX_CPU_BF16_DOT=0), for 8 to 128 rows of a
-    16-bit weight of at least 2**20 elements in two tiles or more; else "vector" at one row and the bf16 GEMM. Told
+    16-bit weight of at least 2**20 elements in more than two tiles; else "vector" at one row and the bf16 GEMM. Told
     apart by their dots: tiles [2048, m] (W . x^T), the GEMM and the vector form [m, out]."""
     from gemmajax.quant.ops import LHS_MAX_M, TILES_MIN_M, TILES_MIN_OUT, TILES_MIN_SIZE
-    assert (TILES_MIN_M, LHS_MAX_M, TILES_MIN_SIZE, TILES_MIN_OUT) == (8, 128, 1 << 20, 4096)  # the cases' premises
+    assert (TILES_MIN_M, LHS_MAX_M, TILES_MIN_SIZE, TILES_MIN_OUT) == (8, 128, 1 << 20, 4097)  # the cases' premises
     monkeypatch.setenv("GEMMAJAX_CPU_BF16_DOT", flag)
     shape, wdt = shape[:2], (shape[2:] or (bf16,))[0]
     x, w = _rand((m, shape[1]), bf16, 40), _rand(shape, wdt, 41, 0.1)

@@ -14,6 +14,7 @@ from gemmajax.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from gemmajax.engine.runner import LayerStack, unstack_layers
 from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.engine.spec_decode import SpecConfig
+from gemmajax.model.gemma import unfuse_projections
 from gemmajax.model.loader import Model
 from gemmajax.quant.array import int4_halves_tree
 
@@ -21,8 +22,8 @@ from gemmajax.quant.array import int4_halves_tree
 class _ServedModel(Model):
     """`LLM.model` once its engine holds the weights in its own form (runner.stack_layers, on XLA:CPU), so that the
     process keeps one copy of them. `.weights` is the standard tree (int4 in half-split bytes), rebuilt from the
-    engine's at each access (the stacked leaves copied out per layer, int4 words repacked: read it once and keep
-    it); `.engine_weights` is the engine's form."""
+    engine's at each access (the stacked leaves copied out per layer, fused projections split, int4 words repacked:
+    read it once and keep it); `.engine_weights` is the engine's form."""
 
     def __init__(self, model: Model, engine: LLMEngine):   # not Model.__init__: it assigns .weights
         self.config, self.dtype, self.path, self.quant = model.config, model.dtype, model.path, model.quant
@@ -34,7 +35,7 @@ class _ServedModel(Model):
 
     @property
     def weights(self):
-        return int4_halves_tree(unstack_layers(self._engine.runner.weights))
+        return int4_halves_tree(unfuse_projections(unstack_layers(self._engine.runner.weights), self.config))
 
 
 @dataclass

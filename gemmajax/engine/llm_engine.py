@@ -75,6 +75,9 @@ class EngineConfig:
     # Quantized projections and norms stacked over the layers (runner.stack_layers: fewer jit arguments a step);
     # None = on XLA:CPU without a parallel plan
     stack_layers: bool | None = None
+    # q / k / v and gate / up projections each joined into one weight (gemma.fuse_projections: fewer, larger matmuls
+    # a step); None = on XLA:CPU without a parallel plan, where it was measured. True with a plan is an error.
+    fuse_projections: bool | None = None
 
 
 @dataclass
@@ -141,6 +144,10 @@ class LLMEngine:
             raise ValueError("EngineConfig.stack_layers=True with a parallel plan: the plan shards the weights by "
                              "their per-layer names, which a stacked tree does not have; leave stack_layers None "
                              "(off with a plan) or set it False")
+        if config.fuse_projections and config.parallel is not None:
+            raise ValueError("EngineConfig.fuse_projections=True with a parallel plan: the plan splits q, k, v, gate "
+                             "and up by their own names and heads, which a joined weight does not have; leave "
+                             "fuse_projections None (off with a plan) or set it False")
         if jax.default_backend() == "cpu":
             keep_freed_memory()  # steady step times: the step's temporaries are not page-faulted in every step
         self.model_config = cfg
@@ -179,6 +186,8 @@ class LLMEngine:
             max_model_len=max_len, eos_token_ids=self.eos_token_ids), self.block_manager)
         cpu_alone = jax.default_backend() == "cpu" and config.parallel is None
         stack = cpu_alone if config.stack_layers is None else config.stack_layers
+        if cpu_alone if config.fuse_projections is None else config.fuse_projections:
+            weights = gemma.fuse_projections(weights)
         if cpu_alone:
             # the CPU's int4 layout: faster one-row and tile forms (quant/array); the per-layer-embedding table is only
             # gathered from, so it keeps its bytes

@@ -27,6 +27,7 @@ import numpy as np
 
 from gemmajax.config import ModelConfig, LayerSpec
 from gemmajax.quant import gmm, linear, take_rows
+from gemmajax.quant.array import concat_out, split_out
 
 Array = jax.Array
 f32 = jnp.float32
@@ -49,13 +50,17 @@ class AttentionWeights:
     k_proj: Any = None        # [K*H, D]; None on KV-shared layers
     k_norm: Any = None        # [H] f32; None on KV-shared layers
     v_proj: Any = None        # [K*H, D]; None on K=V and KV-shared layers
+    # [(N+2K)*H or (N+K)*H, D]: q_proj, k_proj and v_proj joined along `out` (fuse_projections, the CPU engine's
+    # form); those three are None then
+    qkv_proj: Any = None
 
 
 @pytree_dataclass
 class MLPWeights:
-    gate_proj: Any            # [F, D]
-    up_proj: Any              # [F, D]
+    gate_proj: Any            # [F, D]; None when fused
+    up_proj: Any              # [F, D]; None when fused
     down_proj: Any            # [D, F]
+    gate_up_proj: Any = None  # [2F, D]: gate_proj and up_proj joined along `out` (fuse_projections)
 
 
 @pytree_dataclass
@@ -154,6 +159,44 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], Any], norm_dtype=f32,
         ple_table=proj("embed_tokens_per_layer.weight") if cfg.ple_dim else None,
         ple_model_proj=proj("per_layer_model_projection.weight") if cfg.ple_dim else None,
         ple_proj_norm=norm("per_layer_projection_norm.weight") if cfg.ple_dim else None)
+
+
+def fuse_projections(weights: Weights) -> Weights:
+    """`weights` with each layer's q / k / v projections joined into `qkv_proj` and gate / up into `gate_up_proj`
+    (quant.array.concat_out: the same rows in order; what cannot be joined exactly stays apart, as do KV-shared
+    layers' lone q_proj). One matmul then reads what two or three read before: fewer, larger matrix-vector passes,
+    each split over the cores once. The CPU engine's form (engine/llm_engine.py); `unfuse_projections` undoes it."""
+    layers = []
+    for lw in weights.layers:
+        a, m = lw.attn, lw.mlp
+        if a.qkv_proj is None and a.k_proj is not None:
+            qkv = concat_out([a.q_proj, a.k_proj] + ([a.v_proj] if a.v_proj is not None else []))
+            if qkv is not None:
+                a = dataclasses.replace(a, qkv_proj=qkv, q_proj=None, k_proj=None, v_proj=None)
+        if m.gate_up_proj is None:
+            gu = concat_out([m.gate_proj, m.up_proj])
+            if gu is not None:
+                m = dataclasses.replace(m, gate_up_proj=gu, gate_proj=None, up_proj=None)
+        layers.append(dataclasses.replace(lw, attn=a, mlp=m))
+    return dataclasses.replace(weights, layers=tuple(layers))
+
+
+def unfuse_projections(weights: Weights, cfg: ModelConfig) -> Weights:
+    """The inverse of `fuse_projections`: the standard tree, each projection its own leaf again (copies of the
+    joined rows)."""
+    layers = []
+    for s, lw in zip(cfg.layers, weights.layers):
+        a, m = lw.attn, lw.mlp
+        if a.qkv_proj is not None:
+            nh, kh = cfg.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            parts = split_out(a.qkv_proj, [nh, kh] + ([] if s.k_eq_v else [kh]))
+            a = dataclasses.replace(a, qkv_proj=None, q_proj=parts[0], k_proj=parts[1],
+                                    v_proj=None if s.k_eq_v else parts[2])
+        if m.gate_up_proj is not None:
+            g, u = split_out(m.gate_up_proj, [m.gate_up_proj.shape[0] // 2] * 2)
+            m = dataclasses.replace(m, gate_up_proj=None, gate_proj=g, up_proj=u)
+        layers.append(dataclasses.replace(lw, attn=a, mlp=m))
+    return dataclasses.replace(weights, layers=tuple(layers))
 
 
 # ---------------------------------------------------------------------------- numerics helpers
@@ -260,12 +303,18 @@ def attention_block(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, h: Arra
     B, T, _ = h.shape
     N, K, H = cfg.num_heads, spec.num_kv_heads, spec.head_dim
     a = lw.attn
-    q = linear(h, a.q_proj).reshape(B, T, N, H)
-    q = apply_rope(rms_norm(q, a.q_norm, cfg.rms_norm_eps), cos, sin)
+    if a.qkv_proj is not None:  # one matmul, its columns split (fuse_projections)
+        y = linear(h, a.qkv_proj)
+        q, k_raw = y[..., :N * H], y[..., N * H:(N + K) * H].reshape(B, T, K, H)
+        v_raw = k_raw if spec.k_eq_v else y[..., (N + K) * H:].reshape(B, T, K, H)
+    else:
+        q = linear(h, a.q_proj)
+        if spec.owns_kv:
+            k_raw = linear(h, a.k_proj).reshape(B, T, K, H)
+            v_raw = k_raw if spec.k_eq_v else linear(h, a.v_proj).reshape(B, T, K, H)
+    q = apply_rope(rms_norm(q.reshape(B, T, N, H), a.q_norm, cfg.rms_norm_eps), cos, sin)
     k = v = None
     if spec.owns_kv:
-        k_raw = linear(h, a.k_proj).reshape(B, T, K, H)
-        v_raw = k_raw if spec.k_eq_v else linear(h, a.v_proj).reshape(B, T, K, H)
         k = apply_rope(rms_norm(k_raw, a.k_norm, cfg.rms_norm_eps), cos, sin)
         v = rms_norm(v_raw, None, cfg.rms_norm_eps) if cfg.use_v_norm else v_raw
     o, kv = attend(spec, q, k, v, kv)                        # [B, T, N, H]
@@ -275,6 +324,10 @@ def attention_block(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, h: Arra
 
 
 def mlp_block(mw: MLPWeights, h: Array) -> Array:
+    if mw.gate_up_proj is not None:  # one matmul, its columns split (fuse_projections)
+        y = linear(h, mw.gate_up_proj)
+        f = y.shape[-1] // 2
+        return linear(gelu_tanh(y[..., :f]) * y[..., f:], mw.down_proj)
     return linear(gelu_tanh(linear(h, mw.gate_proj)) * linear(h, mw.up_proj), mw.down_proj)
 
 

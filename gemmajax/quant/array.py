@@ -310,3 +310,46 @@ def _columns_per_value(kind: str, dtype) -> int:
 def group_scales(scale: jax.Array, group: int) -> jax.Array:
     """Per-group scales [..., G] -> per-column f32 [..., G * group]."""
     return jnp.repeat(scale.astype(jnp.float32), group, axis=-1)
+
+
+# --- weights joined along `out` (the CPU engine's fused projections) -------------------------------------------------
+def concat_out(parts: list) -> Any:
+    """2-D weights [out_i, in] -> one weight [sum of out_i, in] whose rows are theirs in order, or None where they
+    cannot be joined exactly: plain arrays of one dtype and width, or QuantArrays alike in everything but `out`
+    (kind, in, group, dtype, act_group, short_scales, layouts and scale dtype) with no padded rows and no
+    tensor-parallel metadata. Each output of a matmul by the joined weight is made from its own row of it, as by the
+    part (the forms of int8_matmul, int4_matmul and ops)."""
+    if len(parts) < 2 or any(p is None or len(p.shape) != 2 for p in parts):
+        return None
+    first = parts[0]
+    if not isinstance(first, QuantArray):
+        if any(isinstance(p, QuantArray) or p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        return jnp.concatenate(parts, axis=0)
+
+    def key(p):
+        return (p.kind, p.shape[1], p.group, p.dtype, p.act_group, p.values.dtype, p.values.shape[1],
+                p.scale.dtype, p.scale.shape[1:], p.short_scales, p.tp, p.act_axis)
+
+    if any(not isinstance(p, QuantArray) or key(p) != key(first) or p.padded_out != p.out_features for p in parts):
+        return None
+    return dataclasses.replace(
+        first, values=jnp.concatenate([p.values for p in parts], axis=0),
+        scale=jnp.concatenate([p.scale for p in parts], axis=0),
+        shape=(sum(p.out_features for p in parts), first.in_features))
+
+
+def split_out(w: Any, sizes: list[int]) -> list:
+    """The inverse of `concat_out`: rows [o, o + size) of w for each size in turn (a QuantArray's rows of values
+    and scales, its metadata kept)."""
+    if sum(sizes) != w.shape[0]:
+        raise ValueError(f"split_out: the sizes {sizes} add up to {sum(sizes)}, the weight has {w.shape[0]} rows")
+    out, o = [], 0
+    for n in sizes:
+        if isinstance(w, QuantArray):
+            out.append(dataclasses.replace(w, values=w.values[o:o + n], scale=w.scale[o:o + n],
+                                           shape=(n, w.in_features)))
+        else:
+            out.append(w[o:o + n])
+        o += n
+    return out

@@ -42,7 +42,7 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, form: str = "auto") -> jax.Arra
                GEMM (W . x^T, int8_matmul.LHS_MAX_M), the tiles in DENSE_CHAINS independent chains (_dense_tiles);
       "auto"   "vector" for one row; "tiles" on a CPU without bf16 hardware (cpu_features.native_bf16_dot, read
                when traced) for TILES_MIN_M to LHS_MAX_M rows of a 16-bit weight of at least TILES_MIN_SIZE
-               elements and TILES_MIN_OUT rows (two tiles: the LM head); else "gemm" (bench/kernels.py; the
+               elements and TILES_MIN_OUT rows (more than two tiles: the LM head); else "gemm" (bench/kernels.py; the
                constants' comment). `jnp.dot(x_bf16, w.T)` in a whole model compiles to a float32 copy of every
                weight per call (10-40x slower at one row).
     For x and w of the same 16-bit dtype every form has the same (exact) products and float32 sums; "gemm" rounds a
@@ -74,8 +74,10 @@ TILES_MIN_SIZE = 1 << 20
 # and only for a weight of two tiles or more, whose chains overlap one tile's widening with the other's GEMM. One
 # tile widened then multiplied lost in the whole chain of Gemma 3 270M's 126 layer GEMMs (each weight its own buffer,
 # read from memory; bench/gemm_floor.py, 16 rows, load 0.43): 68.5 ms against 48.6 for the bf16 GEMM (run19), where
-# the same weights alone, in cache, gained (above); the LM head there 47.5 against 76.4.
-TILES_MIN_OUT = 2 * TILE_ROWS
+# the same weights alone, in cache, gained (above); the LM head there 47.5 against 76.4. More than two tiles: Gemma 3
+# 270M's gate and up joined (gemma.fuse_projections) are exactly two, and stay on the GEMM their halves had (two tiles
+# alone unmeasured).
+TILES_MIN_OUT = 2 * TILE_ROWS + 1
 
 
 def _tile_products(x2: jax.Array, w: jax.Array, per_tile, tile: int = TILE_ROWS, chains: int = DENSE_CHAINS) -> list:
