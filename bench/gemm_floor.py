@@ -58,20 +58,20 @@ import sys
 from compare_cpu import best_of  # bench/ is on sys.path: this script runs as bench/gemm_floor.py
 
 
-def shapes(cfg, fused: bool = False) -> tuple[list[tuple[int, int, int]], tuple[int, int]]:
-    """([out, in, feeds] of every layer projection in step order, [out, in] of the LM head). `feeds` is the width of
-    the output's first columns that the next GEMM reads: all of them, except for the engine's joined weights
-    (fused: q / k / v and gate / up, gemma.fuse_projections, which the CPU engine multiplies), whose q part feeds
-    o_proj and whose gate part stands for the gate * up product that feeds down_proj."""
+def shapes(cfg, fused: bool = False) -> tuple[list[tuple[int, int, int, int]], tuple[int, int]]:
+    """([out, in, feeds, halves] of every layer projection in step order, [out, in] of the LM head). `feeds` is the
+    width of the output's first columns that the next GEMM reads: all of them, except for the engine's joined weights
+    (fused: q / k / v and gate / up, gemma.fuse_projections, which the CPU engine multiplies): q / k / v's q part
+    feeds o_proj, and gate / up's two halves multiplied (`halves` 1) feed down_proj. KV-shared layers have no k / v."""
     d, n = cfg.hidden_size, cfg.num_heads
     layers = []
     for spec in cfg.layers:
         q, kv, f = n * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.mlp_dim
-        qkv = [(q, d, q), (kv, d, kv)] + ([] if spec.k_eq_v else [(kv, d, kv)])
-        if fused and spec.owns_kv:
-            qkv = [(sum(o for o, _, _ in qkv), d, q)]
-        mlp = [(2 * f, d, f)] if fused else [(f, d, f), (f, d, f)]
-        layers += qkv + [(d, q, d)] + mlp + [(d, f, d)]
+        qkv = [(q, d, q, 0)] + ([] if not spec.owns_kv else [(kv, d, kv, 0)] * (1 if spec.k_eq_v else 2))
+        if fused and spec.owns_kv:   # a KV-shared layer runs its q_proj alone
+            qkv = [(sum(o[0] for o in qkv), d, q, 0)]
+        mlp = [(2 * f, d, f, 1)] if fused else [(f, d, f, 0), (f, d, f, 0)]
+        layers += qkv + [(d, q, d, 0)] + mlp + [(d, f, d, 0)]
     return layers, (cfg.vocab_size, d)
 
 
@@ -110,7 +110,7 @@ def child_xla(layer_shapes, head, rows, reps, kinds=("bf16",)) -> dict:
 
     rng = np.random.default_rng(0)  # std 1 / sqrt(in): each product keeps its input's scale along the chain
     ws16 = [jnp.asarray(rng.standard_normal(s[:2], np.float32) / np.sqrt(s[1]), jnp.bfloat16) for s in layer_shapes]
-    feeds = tuple(s[2] for s in layer_shapes)
+    feeds = tuple((s[2], s[3]) for s in layer_shapes)
     head16 = jnp.asarray(rng.standard_normal(head, np.float32) / np.sqrt(head[1]), jnp.bfloat16)
     out: dict = {}
 
@@ -124,10 +124,12 @@ def child_xla(layer_shapes, head, rows, reps, kinds=("bf16",)) -> dict:
         that, as in the model, a weight's per-call conversion cannot be scheduled before its input exists
         (int8_matmul.after); every product is kept (one element of each summed), so none is dead code."""
         acc, latest = jnp.zeros((), jnp.float32), dict(xs)
-        for w, feed in zip(ws, feeds):
+        for w, (feed, halves) in zip(ws, feeds):
             y = linear(latest[w.shape[1]], w)
-            latest[feed] = y[:, :feed]
-            acc += y[0, 0].astype(jnp.float32)
+            # gate / up joined (`halves`): the product of its halves, as the model's; q / k / v joined: the q part,
+            # its last column kept below
+            latest[feed] = y[:, :feed] * y[:, feed:] if halves else y[:, :feed]
+            acc += y[0, 0].astype(jnp.float32) + y[0, -1].astype(jnp.float32)
         return acc
 
     lm = jax.jit(linear)
@@ -164,7 +166,8 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
 def measure(model_path: str | None = None, rows=(1, 16), reps: int = 5, rounds: int = 3,
             engines=("xla", "torch"), kinds=("bf16",)) -> dict:
     """The floor for each engine and row count, each process a fresh one, rounds alternating between engines (best
-    of all rounds). Returns {"layers": [[out, in], ...], "head": [V, D], engine: {rows: (layers s, LM head s)}}
+    of all rounds). Returns {"layers": [[out, in, feeds], ...] (`shapes`; torch's), "fused_layers": the same with
+    q / k / v and gate / up joined (XLA's), "head": [V, D], engine: {rows: (layers s, LM head s)}}
     (bf16 weights), and for XLA {"xla_kinds": {kind: {rows: (layers s, LM head s)}}} for each of `kinds` (KINDS:
     the layers' and the tied head's weights as w8a8 / w4a16 and +emb8 / +emb4 store them; a mode's floor is its
     layers' kind plus its head's: compare_cpu.mode_floor)."""

@@ -304,6 +304,11 @@ def attention_block(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, h: Arra
     N, K, H = cfg.num_heads, spec.num_kv_heads, spec.head_dim
     a = lw.attn
     if a.qkv_proj is not None:  # one matmul, its columns split (fuse_projections)
+        n_qkv = (N + (1 if spec.k_eq_v else 2) * K) * H
+        if a.qkv_proj.shape[0] != n_qkv or not spec.owns_kv:
+            raise ValueError(f"layer {spec.index}: a joined qkv_proj needs a layer that owns its K/V and q, k"
+                             f"{'' if spec.k_eq_v else ', v'} rows ({n_qkv}); got {a.qkv_proj.shape[0]} rows, "
+                             f"owns_kv={spec.owns_kv}")
         y = linear(h, a.qkv_proj)
         q, k_raw = y[..., :N * H], y[..., N * H:(N + K) * H].reshape(B, T, K, H)
         v_raw = k_raw if spec.k_eq_v else y[..., (N + K) * H:].reshape(B, T, K, H)
@@ -326,7 +331,7 @@ def attention_block(cfg: ModelConfig, spec: LayerSpec, lw: LayerWeights, h: Arra
 def mlp_block(mw: MLPWeights, h: Array) -> Array:
     if mw.gate_up_proj is not None:  # one matmul, its columns split (fuse_projections)
         y = linear(h, mw.gate_up_proj)
-        f = y.shape[-1] // 2
+        f = y.shape[-1] // 2   # gate and up are alike
         return linear(gelu_tanh(y[..., :f]) * y[..., f:], mw.down_proj)
     return linear(gelu_tanh(linear(h, mw.gate_proj)) * linear(h, mw.up_proj), mw.down_proj)
 

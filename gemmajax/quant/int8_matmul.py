@@ -88,10 +88,10 @@ _VECTOR_MAX_IN = 3072  # grouped one-row "vector" up to this width; the group lo
 # 32 MiB mmap threshold is page-faulted afresh in every call.
 WIDE_MIN_ROWS = 64  # "wide" for any weight from here (the per-call conversion amortized over the rows)
 WIDE_SMALL_ROWS = 2  # and from here for a grouped weight whose bf16 copy is at most WIDE_SMALL_MAX_BYTES
-# Gemma 3 270M's largest projection is 2.6 MB as bf16; its gate and up joined (gemma.fuse_projections, the CPU
-# engine's form) 5.2 MB, or 10.5 MB as the float32 levels of a CPU without bf16 hardware, which the limit keeps on the
-# form its halves had. Unmeasured above that.
-WIDE_SMALL_MAX_BYTES = 12 << 20
+WIDE_SMALL_MAX_BYTES = 8 << 20  # Gemma 3 270M's largest projection: 2.6 MB, its gate and up joined 5.2; unmeasured above
+# The same for the float32 levels of a CPU without bf16 hardware: Gemma 3 270M's gate and up joined
+# (gemma.fuse_projections, the CPU engine's form) are 10.5 MB there, which this keeps on the form its halves had.
+WIDE_SMALL_MAX_F32_BYTES = 12 << 20
 # Up to this many rows a CPU without bf16 hardware multiplies a float32 weight (w8a8 "wide" levels, a dense bf16
 # weight's float32 tiles: ops.dense_matmul_cpu_f32, int4 tiles: int4_matmul._tiles) as the GEMM's left operand,
 # W . x^T, the small [N, M] product transposed back behind an optimization barrier (without it XLA folds the
@@ -114,8 +114,8 @@ def wide_pays(m: int, n: int, k: int, act_group: int, bf16_dot: bool = True) -> 
     256 rows 4.83 / 5.97 / 10.08 and 728 / 1173 / 1561."""
     if not bf16_dot and not act_group:
         return False
-    copy = (2 if bf16_dot else 4) * n * k
-    return m >= WIDE_MIN_ROWS or (bool(act_group) and m >= WIDE_SMALL_ROWS and copy <= WIDE_SMALL_MAX_BYTES)
+    copy, limit = (2 * n * k, WIDE_SMALL_MAX_BYTES) if bf16_dot else (4 * n * k, WIDE_SMALL_MAX_F32_BYTES)
+    return m >= WIDE_MIN_ROWS or (bool(act_group) and m >= WIDE_SMALL_ROWS and copy <= limit)
 
 
 def quantize_activations(x: jax.Array, group: int = 0, axis: str | None = None) -> tuple[jax.Array, jax.Array]:

@@ -34,18 +34,18 @@ def _weight(kind: str, out: int, inp: int, seed: int):
     return int4_to_words(q) if kind == "int4_words" else q
 
 
-def _draws(n: int, seed: int):
+def _draws(seed: int):
+    """Every kind at one row and at 16, plus more row counts; widths, part sizes and x's dtype drawn at random."""
     rng = np.random.default_rng(seed)
-    for _ in range(n):
-        kind = KINDS[rng.integers(len(KINDS))]
+    for kind, m in [(k, m) for k in KINDS for m in (1, 16)] + [(KINDS[rng.integers(len(KINDS))], int(m))
+                                                                for m in (2, 5, 64, 130)]:
         inp = int(rng.choice([256, 384, 640]))
         outs = [int(32 * rng.integers(1, 40)) for _ in range(int(rng.integers(2, 4)))]
-        m = int(rng.choice([1, 2, 5, 16, 64, 130]))
         x_dtype = f32 if kind == "float32" else jnp.dtype(rng.choice([bf16, f32]))
         yield kind, inp, outs, m, x_dtype, int(rng.integers(1 << 30))
 
 
-@pytest.mark.parametrize("kind,inp,outs,m,x_dtype,seed", list(_draws(14, 20261207)))
+@pytest.mark.parametrize("kind,inp,outs,m,x_dtype,seed", list(_draws(20261207)))
 def test_matmul_by_the_joined_weight_gives_each_parts_outputs(kind, inp, outs, m, x_dtype, seed):
     """Bit for bit at one row (the one-row fusions compute each output alone); from two rows the GEMMs may sum a
     float32 output in another order for another width, so within float32 rounding of the sum of |terms| (and one
@@ -89,6 +89,7 @@ def test_weights_that_differ_are_not_joined():
         [_weight("int4", 64, 256, 1), _weight("int4_f32_scales", 96, 256, 2)],  # scale dtypes
         [_weight("int4", 64, 256, 1), dataclasses.replace(_weight("int4", 96, 256, 2), short_scales=False)],
         [a, dataclasses.replace(b, shape=(95, 256))],                # padded rows
+        [_weight("int8", 4000, 256, 3), _weight("int8", 200, 256, 4)],  # 4200 rows: the layout pads that size
         [a],                                                         # nothing to join
         [a, None],
     ]
@@ -140,9 +141,12 @@ def _run(model, tok, fuse: bool):
 
 
 _RNG = np.random.default_rng(20261208)
-# two draws from the whole space, and one from the KV-sharing variants (layers with a lone q_proj beside joined ones)
-ENGINE_CASES = [FUSE_SPACE[i] for i in _RNG.choice(len(FUSE_SPACE), size=2, replace=False)] + \
-    [(v, QUANTS[_RNG.integers(len(QUANTS))], ("float32", "bfloat16")[_RNG.integers(2)]) for v in [("e2b", "e4b")[_RNG.integers(2)]]]
+FUSE_VARIANTS = (*sorted(VARIANTS), "gemma3")
+# one draw per weight kind of the layers (plain, int8, int4; the table's kind drawn too), the variant and dtype drawn;
+# the int4 one from the KV-sharing variants (layers with a lone q_proj beside joined ones)
+ENGINE_CASES = [(vs[_RNG.integers(len(vs))], qs[_RNG.integers(len(qs))], ("float32", "bfloat16")[_RNG.integers(2)])
+                for vs, qs in ((FUSE_VARIANTS, ("none",)), (FUSE_VARIANTS, ("w8a8", "w8a8+emb4", "w8a8+emb8")),
+                               (("e2b", "e4b"), ("w4a16", "w4a16+emb8")))]
 
 
 @pytest.mark.parametrize("variant,quant,dtype", ENGINE_CASES)

@@ -343,15 +343,17 @@ def test_auto_form_by_rows_size_and_dtype(m, n, g, dt, want):
 
 @pytest.mark.parametrize("m,n,g,want", [
     (2, 256, 128, "wide"), (16, 256, 128, "wide"),  # a small grouped weight: its float32 copy is 655 KB
-    (16, 4096, 128, "int"),   # float32 copy 10.5 MB, over WIDE_SMALL_MAX_BYTES (its bf16 copy, 5.2 MB, is under)
+    (16, 4096, 128, "wide"),  # float32 copy 10.5 MB (Gemma 3 270M's gate and up joined): under the float32 limit
+    (16, 6144, 128, "int"),   # float32 copy 15.7 MB, over WIDE_SMALL_MAX_F32_BYTES (its bf16 copy, 7.9 MB, is under)
     (64, 8192, 128, "wide"),  # from WIDE_MIN_ROWS any grouped weight
     (64, 256, 0, "int"), (128, 256, 0, "int")])     # no groups: one int8 GEMM at any row count
 def test_auto_form_without_bf16_hardware(m, n, g, want):
     """bf16_dot=False: auto is the form wide_pays picks, "wide" only for a grouped weight, its
-    small-weight limit counting the float32 copy (the bf16 rule would take "wide" for the 4096-row weight)."""
-    from gemmajax.quant.int8_matmul import wide_pays
+    small-weight limit counting the float32 copy (the bf16 rule would take "wide" for the 6144-row weight)."""
+    from gemmajax.quant.int8_matmul import WIDE_SMALL_MAX_F32_BYTES, wide_pays
+    assert 4 * 4096 * 640 <= WIDE_SMALL_MAX_F32_BYTES < 4 * 6144 * 640  # the cases' premise
     assert wide_pays(m, n, 640, g, bf16_dot=False) == (want == "wide")
-    if (m, n) == (16, 4096):
+    if (m, n) == (16, 6144):
         assert wide_pays(m, n, 640, g, bf16_dot=True)
     x, _, q = _grouped(m, 640, n, g, seed=m + n + 1, xdtype=jnp.bfloat16, outliers=True)
     got = {f: np.asarray(jax.jit(lambda x, q, f=f: int8_matmul_xla(x, q, form=f, bf16_dot=False))(x, q)
