@@ -14,3 +14,22 @@ def tokens_and_logprobs(eng, prompts, params) -> list[tuple[list[int], list[dict
             if o.finished:
                 done[o.request_id] = o
     return [(done[f"r{i}"].token_ids, lps[f"r{i}"]) for i in range(len(prompts))]
+
+
+def small_engine_mixed_batch(model, tok, seed: int, **config):
+    """A small LLMEngine over `model` (EngineConfig `config` on top of a 16-token, 4-sequence setup) and the outputs of
+    a batch that mixes prefill chunks and decodes: three prompts (5, 19 and 11 random ids) greedy, sampled with 4
+    logprobs, and greedy with 2 (tokens_and_logprobs). Returns (engine, outputs)."""
+    import numpy as np
+
+    from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
+    from gemmajax.engine.sampling_params import SamplingParams
+    eng = LLMEngine(model.config, model.weights, tok, EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
+        token_buckets=(16,), seq_buckets=(4,), **config))
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (5, 19, 11)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
+    return eng, tokens_and_logprobs(eng, prompts, params)

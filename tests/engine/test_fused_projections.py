@@ -12,11 +12,10 @@ import pytest
 
 import gemmajax
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
-from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.model.gemma import fuse_projections, unfuse_projections
 from gemmajax.quant import dequantize, linear, quantize
 from gemmajax.quant.array import QuantArray, concat_out, int4_to_words, split_out
-from tests.engine.engine_run import tokens_and_logprobs
+from tests.engine.engine_run import small_engine_mixed_batch
 from tests.engine.test_layer_stack import QUANTS, _model, _same_layers
 from tests.golden.hf_models import VARIANTS
 
@@ -127,17 +126,10 @@ def test_fused_tree_holds_the_same_weights(tmp_path_factory, variant, quant, dty
 
 
 def _run(model, tok, fuse: bool):
-    eng = LLMEngine(model.config, model.weights, tok, EngineConfig(
-        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
-        token_buckets=(16,), seq_buckets=(4,), fuse_projections=fuse))
+    eng, out = small_engine_mixed_batch(model, tok, 11, fuse_projections=fuse)
     lw = eng.runner.weights.layers[0]
     assert (lw.mlp.gate_up_proj is not None) == fuse and (lw.mlp.gate_proj is None) == fuse
-    rng = np.random.default_rng(11)
-    prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (5, 19, 11)]
-    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
-    return tokens_and_logprobs(eng, prompts, params)
+    return out
 
 
 _RNG = np.random.default_rng(20261208)

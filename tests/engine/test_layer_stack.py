@@ -11,9 +11,8 @@ import pytest
 import gemmajax
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.runner import LayerStack, stack_layers
-from gemmajax.engine.sampling_params import SamplingParams
 from gemmajax.quant.array import QuantArray
-from tests.engine.engine_run import tokens_and_logprobs
+from tests.engine.engine_run import small_engine_mixed_batch
 from tests.golden.hf_models import GEMMA3, VARIANTS, build_hf_config, save_text_checkpoint
 
 QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
@@ -96,16 +95,9 @@ def test_uniform_model_stacks_every_int8_leaf(tmp_path_factory):
 
 
 def _run(model, tok, stack: bool):
-    eng = LLMEngine(model.config, model.weights, tok, EngineConfig(
-        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory=1 << 24,
-        token_buckets=(16,), seq_buckets=(4,), stack_layers=stack))
+    eng, out = small_engine_mixed_batch(model, tok, 7, stack_layers=stack)
     assert isinstance(eng.runner.weights.layers, LayerStack) == stack
-    rng = np.random.default_rng(7)
-    prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (5, 19, 11)]
-    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
-    return tokens_and_logprobs(eng, prompts, params)
+    return out
 
 
 @pytest.mark.parametrize("variant,quant,dtype", [ENGINE_CASE])
