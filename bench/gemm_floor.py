@@ -2,9 +2,9 @@
 
 A decode step of S streams multiplies S rows by every weight matrix (the 7 projections of each layer and the tied
 LM head; for XLA:CPU the 4 matmuls a layer of the CPU engine runs, q / k / v and gate / up joined:
-gemma.fuse_projections). This script runs exactly that sequence of GEMMs, with bf16 weights of the model's shapes (random values,
-each matrix its own buffer, so nothing stays in cache between layers as in the real step), and nothing else:
-no attention, norms, sampling or dispatch. The time it prints is a floor for the whole step with that GEMM
+gemma.fuse_projections). This script runs exactly that sequence of GEMMs, with bf16 weights of the model's shapes
+(random values, each matrix its own buffer, so nothing stays in cache between layers as in the real step), and
+nothing else: no attention, norms, sampling or dispatch. The time it prints is a floor for the whole step with that GEMM
 library, and S / time the most tokens/s any engine built on it can decode. It runs through XLA:CPU (what
 gemmajax's CPU step compiles to: `dense_matmul_cpu`, YNNPACK GEMMs from 2 rows) and through torch (oneDNN: what
 transformers' step calls), each in processes of its own so their thread pools do not compete.
@@ -166,8 +166,8 @@ def child_torch(layer_shapes, head, rows, reps) -> dict:
 def measure(model_path: str | None = None, rows=(1, 16), reps: int = 5, rounds: int = 3,
             engines=("xla", "torch"), kinds=("bf16",)) -> dict:
     """The floor for each engine and row count, each process a fresh one, rounds alternating between engines (best
-    of all rounds). Returns {"layers": [[out, in, feeds], ...] (`shapes`; torch's), "fused_layers": the same with
-    q / k / v and gate / up joined (XLA's), "head": [V, D], engine: {rows: (layers s, LM head s)}}
+    of all rounds). Returns {"layers": [[out, in, feeds, halves], ...] (`shapes`; torch's), "fused_layers": the
+    same with q / k / v and gate / up joined (XLA's), "head": [V, D], engine: {rows: (layers s, LM head s)}}
     (bf16 weights), and for XLA {"xla_kinds": {kind: {rows: (layers s, LM head s)}}} for each of `kinds` (KINDS:
     the layers' and the tied head's weights as w8a8 / w4a16 and +emb8 / +emb4 store them; a mode's floor is its
     layers' kind plus its head's: compare_cpu.mode_floor)."""
@@ -181,8 +181,7 @@ def measure(model_path: str | None = None, rows=(1, 16), reps: int = 5, rounds: 
     for _ in range(rounds):  # alternating rounds, best of all: other tenants of the machine come and go
         for engine in engines:   # XLA: the CPU engine's joined weights; torch: transformers' projections
             spec = json.dumps({"engine": engine, "layers": fused if engine == "xla" else layer_shapes, "head": head,
-                               "rows": list(rows),
-                               "reps": reps, "kinds": list(kinds)})
+                               "rows": list(rows), "reps": reps, "kinds": list(kinds)})
             env = dict(os.environ, JAX_PLATFORMS="cpu")
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
                                text=True, env=env, check=False)

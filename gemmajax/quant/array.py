@@ -317,8 +317,8 @@ def concat_out(parts: list) -> Any:
     """2-D weights [out_i, in] -> one weight [sum of out_i, in] whose rows are theirs in order, or None where they
     cannot be joined exactly: plain arrays of one dtype and width, or QuantArrays alike in everything but `out`
     (kind, in, group, dtype, act_group, short_scales, layouts and scale dtype) with no padded rows, no
-    tensor-parallel metadata, and a total that the layout would not pad (`padded_out`). Each output of a matmul by the joined weight is made from its own row of it, as by the
-    part (the forms of int8_matmul, int4_matmul and ops)."""
+    tensor-parallel metadata, and a total that the layout would not pad (`padded_out`). Each output of a matmul by
+    the joined weight is made from its own row of it, as by the part (the forms of int8_matmul, int4_matmul, ops)."""
     if len(parts) < 2 or any(p is None or len(p.shape) != 2 for p in parts):
         return None
     first = parts[0]
@@ -333,12 +333,11 @@ def concat_out(parts: list) -> Any:
 
     if any(not isinstance(p, QuantArray) or key(p) != key(first) or p.padded_out != p.out_features for p in parts):
         return None
-    if padded_out(sum(p.out_features for p in parts)) != sum(p.out_features for p in parts):
+    out = sum(p.out_features for p in parts)
+    if padded_out(out) != out:
         return None   # the joined rows would need the padding the layout gives a weight of that size
-    return dataclasses.replace(
-        first, values=jnp.concatenate([p.values for p in parts], axis=0),
-        scale=jnp.concatenate([p.scale for p in parts], axis=0),
-        shape=(sum(p.out_features for p in parts), first.in_features))
+    return dataclasses.replace(first, values=jnp.concatenate([p.values for p in parts], axis=0),
+                               scale=jnp.concatenate([p.scale for p in parts], axis=0), shape=(out, first.in_features))
 
 
 def split_out(w: Any, sizes: list[int]) -> list:

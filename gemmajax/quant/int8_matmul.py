@@ -88,7 +88,7 @@ _VECTOR_MAX_IN = 3072  # grouped one-row "vector" up to this width; the group lo
 # 32 MiB mmap threshold is page-faulted afresh in every call.
 WIDE_MIN_ROWS = 64  # "wide" for any weight from here (the per-call conversion amortized over the rows)
 WIDE_SMALL_ROWS = 2  # and from here for a grouped weight whose bf16 copy is at most WIDE_SMALL_MAX_BYTES
-WIDE_SMALL_MAX_BYTES = 8 << 20  # Gemma 3 270M's largest projection: 2.6 MB, its gate and up joined 5.2; unmeasured above
+WIDE_SMALL_MAX_BYTES = 8 << 20  # Gemma 3 270M's largest projection 2.6 MB, gate and up joined 5.2; unmeasured above
 # The same for the float32 levels of a CPU without bf16 hardware: Gemma 3 270M's gate and up joined
 # (gemma.fuse_projections, the CPU engine's form) are 10.5 MB there, which this keeps on the form its halves had.
 WIDE_SMALL_MAX_F32_BYTES = 12 << 20

@@ -33,3 +33,17 @@ def small_engine_mixed_batch(model, tok, seed: int, **config):
               SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=4, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
     return eng, tokens_and_logprobs(eng, prompts, params)
+
+
+def assert_same_mixed_batch(want, got, atol: float) -> None:
+    """Two `small_engine_mixed_batch` outputs agree: the same 8 tokens per request, the same logprob entries (none,
+    then 4 and 2 top alternatives) with the same token ids, and the logprobs within `atol`."""
+    import numpy as np
+    for (ta, la), (tb, lb), sp in zip(want, got, (None, 4, 2)):
+        assert ta == tb and len(ta) == 8
+        assert len(la) == len(lb) == (0 if sp is None else 8)
+        for a, b in zip(la, lb):
+            assert a["token_id"] == b["token_id"] and len(a["top"]) == len(b["top"]) == sp
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+            np.testing.assert_allclose(a["logprob"], b["logprob"], rtol=0, atol=atol)
+            np.testing.assert_allclose([v for _, v in a["top"]], [v for _, v in b["top"]], rtol=0, atol=atol)

@@ -15,7 +15,7 @@ from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.model.gemma import fuse_projections, unfuse_projections
 from gemmajax.quant import dequantize, linear, quantize
 from gemmajax.quant.array import QuantArray, concat_out, int4_to_words, split_out
-from tests.engine.engine_run import small_engine_mixed_batch
+from tests.engine.engine_run import assert_same_mixed_batch, small_engine_mixed_batch
 from tests.engine.test_layer_stack import QUANTS, _model, _same_layers
 from tests.golden.hf_models import VARIANTS
 
@@ -153,13 +153,7 @@ def test_engine_outputs_equal_with_projections_apart(tmp_path_factory, gemma4_to
     tol = 5e-3 if dtype == "float32" else 2e-2
     apart = _run(model, gemma4_tokenizer, False)
     fused = _run(model, gemma4_tokenizer, True)
-    for (ta, la), (tb, lb), sp in zip(apart, fused, (None, 4, 2)):
-        assert ta == tb and len(ta) == 8
-        assert len(la) == len(lb) == (0 if sp is None else 8)
-        for a, b in zip(la, lb):
-            assert a["token_id"] == b["token_id"] and [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
-            np.testing.assert_allclose(a["logprob"], b["logprob"], rtol=0, atol=tol)
-            np.testing.assert_allclose([v for _, v in a["top"]], [v for _, v in b["top"]], rtol=0, atol=tol)
+    assert_same_mixed_batch(apart, fused, atol=tol)
 
 
 def test_fusing_with_a_parallel_plan_is_refused(tmp_path_factory, gemma4_tokenizer):

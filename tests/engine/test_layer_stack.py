@@ -12,7 +12,7 @@ import gemmajax
 from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
 from gemmajax.engine.runner import LayerStack, stack_layers
 from gemmajax.quant.array import QuantArray
-from tests.engine.engine_run import small_engine_mixed_batch
+from tests.engine.engine_run import assert_same_mixed_batch, small_engine_mixed_batch
 from tests.golden.hf_models import GEMMA3, VARIANTS, build_hf_config, save_text_checkpoint
 
 QUANTS = ("none", "w8a8", "w4a16", "w8a8+emb4", "w4a16+emb8", "w8a8+emb8")
@@ -107,14 +107,7 @@ def test_engine_outputs_equal_with_layers_apart(tmp_path_factory, gemma4_tokeniz
     assert any(isinstance(x, QuantArray) and x.kind == "int8" for x in stacked_leaves)   # int8 projections stacked
     apart = _run(model, gemma4_tokenizer, False)
     stacked = _run(model, gemma4_tokenizer, True)
-    for (ta, la), (tb, lb), sp in zip(apart, stacked, (None, 4, 2)):
-        assert ta == tb and len(ta) == 8
-        assert len(la) == len(lb) == (0 if sp is None else 8)
-        for a, b in zip(la, lb):
-            assert a["token_id"] == b["token_id"] and len(a["top"]) == len(b["top"]) == sp
-            np.testing.assert_allclose(a["logprob"], b["logprob"], rtol=0, atol=1e-6)
-            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
-            np.testing.assert_allclose([v for _, v in a["top"]], [v for _, v in b["top"]], rtol=0, atol=1e-6)
+    assert_same_mixed_batch(apart, stacked, atol=1e-6)
 
 
 def test_llm_stacks_by_default_on_cpu_and_shows_the_standard_tree(tmp_path_factory, gemma4_tokenizer):
