@@ -35,6 +35,7 @@ from gemmajax.kv.layout import (
     sublane_tile,
     write_kv,
 )
+from gemmajax.quant.int8_matmul import after_init
 
 logger = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ def ragged_paged_attention_ref(
                                  **kw)
     if meta.decode_only:  # row i is token i (padding rows come out zero)
         return dec.astype(q.dtype), kv_pages
-    out = jnp.zeros(q.shape, jnp.float32).at[rows].set(dec, mode="drop")
+    out = after_init(dec, jnp.zeros(q.shape, jnp.float32)).at[rows].set(dec, mode="drop")
     # An all-decode step (the common one) skips the prefill machinery (its pads, prefix sums and copies) entirely.
     q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
     pf = (jnp.arange(q_lens.shape[0]) < meta.num_seqs[0]) & (q_lens >= 2)

@@ -67,6 +67,7 @@ from gemmajax.quant.int4_matmul import (
 )
 from gemmajax.quant.int8_matmul import (
     WIDE_MIN_ROWS,
+    after_init,
     int8_matmul_cpu,
     int8_matmul_ref,
     int8_matmul_xla,
@@ -548,7 +549,7 @@ def _gmm_rows(x: jax.Array, w: Weight, group_sizes: jax.Array, mm) -> jax.Array:
         yr = one([lax.dynamic_slice_in_dim(a, r, 1, 0) for a in rows], _expert(w, g[r]))
         return lax.dynamic_update_slice_in_dim(y, yr.astype(y.dtype), r, 0)
 
-    return lax.fori_loop(0, total, row, jnp.zeros((m, n), x.dtype))
+    return lax.fori_loop(0, total, row, after_init(x, jnp.zeros((m, n), x.dtype)))
 
 
 def _gmm_tiles(x: jax.Array, w: Weight, group_sizes: jax.Array, mm, c: int) -> jax.Array:
@@ -572,7 +573,7 @@ def _gmm_tiles(x: jax.Array, w: Weight, group_sizes: jax.Array, mm, c: int) -> j
         keep = (jnp.arange(c) < rows[t])[:, None]
         return lax.dynamic_update_slice_in_dim(y, jnp.where(keep, yb, lax.dynamic_slice_in_dim(y, s, c, 0)), s, 0)
 
-    return lax.fori_loop(0, cum[-1], item, jnp.zeros((m + c, n), x.dtype))[:m]
+    return lax.fori_loop(0, cum[-1], item, after_init(x, jnp.zeros((m + c, n), x.dtype)))[:m]
 
 
 def gmm_xla(x: jax.Array, w: Weight, group_sizes: jax.Array, *, rows_per_item: int | None = None,

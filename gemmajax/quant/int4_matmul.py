@@ -88,7 +88,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gemmajax.cpu_features import native_bf16_dot
 from gemmajax.quant.array import WORD, QuantArray, int4_to_halves
-from gemmajax.quant.int8_matmul import LHS_MAX_M, after, materialize
+from gemmajax.quant.int8_matmul import LHS_MAX_M, after, after_init, materialize
 from gemmajax.quant.quantize import dequantize
 
 _ROW_LOOP_MAX_M = 1  # CPU: "rows" for one row only; from 2 rows the dequantized tiles cost no more (measured)
@@ -536,7 +536,7 @@ def _tiles(x2: jax.Array, w: QuantArray, tile: int = _TILE, concurrent: int | No
         part = jnp.concatenate(parts, 1) if len(parts) > 1 else parts[0]
         return lax.dynamic_update_slice_in_dim(y, _cast(part), i * step, 1)
 
-    y = lax.fori_loop(0, full, body, jnp.zeros((m, n), jnp.uint16 if bf else out_dtype))
+    y = lax.fori_loop(0, full, body, after_init(x2, jnp.zeros((m, n), jnp.uint16 if bf else out_dtype)))
     done = full * step
     for r0 in range(done, n, tile):  # at most concurrent - 1 whole tiles and a partial one, independent
         tail = _tile_product(x2, after(x2, v[r0:r0 + tile]), s[r0:r0 + tile], g, live, short, lhs)
