@@ -25,6 +25,12 @@ def _rand(shape, dtype, seed, scale=1.0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, dtype)
 
 
+def _temp_and_out(fn, *args):
+    """(temporary bytes XLA assigns to jit(fn) for args, its output as float32 numpy): one compile, one call."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, np.asarray(compiled(*args).astype(f32))
+
+
 def _ref(x, w) -> np.ndarray:
     """x @ w.T in float64 from the (already rounded) operands."""
     return np.asarray(x.astype(f32), np.float64) @ np.asarray(w.astype(f32), np.float64).T
@@ -156,12 +162,9 @@ def test_dense_tiles_are_widened_one_chain_step_at_a_time(monkeypatch):
     x, w = _rand((16, 256), bf16, 44), _rand((8 * 2048, 256), bf16, 45, 0.1)
     tile_f32 = 2048 * 256 * 4
 
-    def temp_and_out():
-        c = jax.jit(lambda x, w: ops._dense_tiles(x, w)).lower(x, w).compile()
-        return c.memory_analysis().temp_size_in_bytes, np.asarray(c(x, w))
-    tied, y = temp_and_out()
+    tied, y = _temp_and_out(lambda x, w: ops._dense_tiles(x, w), x, w)
     monkeypatch.setattr(ops, "after", lambda x, w: w)
-    hoisted, y_plain = temp_and_out()
+    hoisted, y_plain = _temp_and_out(lambda x, w: ops._dense_tiles(x, w), x, w)
     assert tied <= 3 * tile_f32, (tied, tile_f32)
     assert hoisted >= 6 * tile_f32, (hoisted, tile_f32)
     np.testing.assert_array_equal(y, y_plain)
@@ -242,9 +245,7 @@ def _chain_temp_bytes(kind, layers, width, rows, monkeypatch, plain_after):
         for w in ws:
             x = mm(x, w, form=form)
         return x
-    x = _rand((rows, width), bf16, 29)
-    compiled = jax.jit(chain).lower(x, ws).compile()
-    return compiled.memory_analysis().temp_size_in_bytes, np.asarray(compiled(x, ws).astype(f32))
+    return _temp_and_out(chain, _rand((rows, width), bf16, 29), ws)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -264,8 +265,8 @@ def test_weight_conversions_stay_beside_their_matmuls(kind, monkeypatch):
 
 
 def _loop_chain_temp(case: str, layers: int, monkeypatch, plain: bool):
-    """Temporary bytes XLA:CPU assigns to `layers` chained ops whose loop updates an initial carry in place, and the
-    chain's output. case "int4": int4 "tiles" over a weight of two tiles (the loop form; a 384 x 4096 carry, as a
+    """(temporary bytes XLA:CPU assigns to `layers` chained ops whose loop updates an initial carry in place, the
+    chain's output, one carry's bytes). case "int4": int4 "tiles" over a weight of two tiles (the loop form; a 384 x 4096 carry, as a
     joined gate / up at prefill); "attention": the reference ragged attention of a 256-row prefill (its output
     scattered into a zeroed [T, N, H]). plain: `after_init` replaced by the identity (the carry's zeros shared by
     every layer's loop)."""
@@ -294,8 +295,7 @@ def _loop_chain_temp(case: str, layers: int, monkeypatch, plain: bool):
             return q
         args = (c.q, c.kv_pages)
         carry = int(np.prod(c.q.shape)) * 4
-    compiled = jax.jit(chain).lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes, carry, np.asarray(compiled(*args).astype(f32))
+    return (*_temp_and_out(chain, *args), carry)
 
 
 @pytest.mark.parametrize("case", ["int4", "attention"])
@@ -306,8 +306,8 @@ def test_loop_carries_are_made_where_their_loops_run(case, monkeypatch):
     `after_init` ties each carry to its op's input: about one carry live, whatever the depth, and the same bits.
     Measured against the identity in place of `after_init` (the carries hoisted)."""
     layers = 8
-    tied, carry, y = _loop_chain_temp(case, layers, monkeypatch, plain=False)
-    hoisted, _, y_plain = _loop_chain_temp(case, layers, monkeypatch, plain=True)
+    tied, y, carry = _loop_chain_temp(case, layers, monkeypatch, plain=False)
+    hoisted, y_plain, _ = _loop_chain_temp(case, layers, monkeypatch, plain=True)
     # hoisted, all but about one layer's carry are live at once beside that layer's own working set (measured: int4
     # 31.7 against 9.7 MB, attention 5.7 against 2.6 MB); tied, one carry at a time
     assert hoisted - tied >= (layers - 2) * carry, (hoisted, tied, carry)
