@@ -266,10 +266,10 @@ def test_weight_conversions_stay_beside_their_matmuls(kind, monkeypatch):
 
 def _loop_chain_temp(case: str, layers: int, monkeypatch, plain: bool):
     """(temporary bytes XLA:CPU assigns to `layers` chained ops whose loop updates an initial carry in place, the
-    chain's output, one carry's bytes). case "int4": int4 "tiles" over a weight of two tiles (the loop form; a 384 x 4096 carry, as a
-    joined gate / up at prefill); "attention": the reference ragged attention of a 256-row prefill (its output
-    scattered into a zeroed [T, N, H]). plain: `after_init` replaced by the identity (the carry's zeros shared by
-    every layer's loop)."""
+    chain's output, one carry's bytes). case "int4": int4 "tiles" over a weight of two tiles (the loop form; a
+    384 x 4096 carry, as a joined gate / up at prefill); "attention": the reference ragged attention of a 256-row
+    prefill (its output scattered into a zeroed [T, N, H]). plain: `after_init` replaced by the identity (the
+    carry's zeros shared by every layer's loop)."""
     if plain:
         for name in ("gemmajax.quant.int4_matmul", "gemmajax.kv.attention"):
             monkeypatch.setattr(importlib.import_module(name), "after_init", lambda x, init: init)
