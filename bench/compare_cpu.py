@@ -310,8 +310,78 @@ def paired_ratio(paired: dict | None, mode: str, s: int) -> tuple[float, float, 
     return statistics.median(r), min(r), max(r)
 
 
+def gemm_stand_in(x, w, impl="auto"):
+    """What `gemma.linear` returns in place of x @ w.T in the rest-of-the-step child: the product's shape and dtype,
+    [..., out] in x.dtype, from x's first column times a column ramp. One elementwise expression that XLA fuses
+    into whatever reads it, so no weight is read and no GEMM runs, while everything downstream (norms, RoPE,
+    attention over the cache, the argmax over the vocabulary) still gets distinct values of the right shape."""
+    import jax.numpy as jnp
+    from jax import lax
+    out = w.shape[-2]  # [out, in], a plain array or a QuantArray's logical shape
+    ramp = lax.broadcasted_iota(jnp.float32, (*x.shape[:-1], out), x.ndim - 1) * (1.0 / out)
+    return (x[..., :1].astype(jnp.float32) * ramp).astype(x.dtype)
+
+
+def child_gemmajax_rest(mode: str, prompts, args) -> dict:
+    """The decode step of `mode` at the most streams with and without its weight GEMMs, in one process: the bare
+    compiled step (the engine's own program, called in a loop on a captured decode step's inputs, no host work
+    between calls), then the same after every `gemma.linear` (the layers' projections and the tied LM head) is
+    replaced by `gemm_stand_in` and the step recompiled. Timed alternately, --reps x 2 rounds of 20 calls, the best
+    kept. The step without its GEMMs is what the GEMM floor leaves out; a target that needs a step of T ms leaves
+    T minus the mode's GEMM floor for it. The model's mixture-of-experts GEMMs (gmm) are not replaced (Gemma 3
+    has none). Returns {"rest": {"streams", "step_s", "rest_s"}}."""
+    import jax
+
+    from gemmajax.engine import runner
+    from gemmajax.model import gemma
+    s = args.streams[-1]
+    captured = {}
+    plain_compiled_step = runner.compiled_step
+
+    def capturing(*key, **kw):
+        f = plain_compiled_step(*key, **kw)
+
+        def call(weights, kv, inp):
+            captured["call"] = (f, weights, inp)
+            return f(weights, kv, inp)
+        return call
+    runner.compiled_step = capturing
+    llm, run = gemmajax_runner(mode, args)
+    eng = llm.engine.runner
+
+    def bare_step():  # compiles; the last call of a generate of --new-tokens is a decode step of s rows
+        run(prompts[:s], args.new_tokens)
+        f, weights, inp = captured["call"]
+
+        def steps(n):
+            kv, out = eng.kv, None
+            for _ in range(n):
+                out, kv = f(weights, kv, inp)  # the cache is donated: each call takes the last one's
+            jax.block_until_ready(out)
+            eng.kv = kv
+        return steps
+    full = bare_step()
+    plain_linear, plain_greedy = gemma.linear, runner.greedy_tokens
+    gemma.linear = gemm_stand_in
+    # a plain 16-bit table's greedy head multiplies inside greedy_tokens (no `linear`): route it through lm_head
+    runner.greedy_tokens = lambda w, cfg, h: runner.greedy_argmax(gemma.lm_head(w, cfg, h))
+    runner._compiled_step.cache_clear()
+    try:
+        rest = bare_step()
+    finally:
+        gemma.linear, runner.greedy_tokens = plain_linear, plain_greedy
+    best = {"step_s": float("inf"), "rest_s": float("inf")}
+    for _ in range(2 * args.reps):
+        for key, steps in (("step_s", full), ("rest_s", rest)):
+            steps(2)
+            t = time.perf_counter()
+            steps(20)
+            best[key] = min(best[key], (time.perf_counter() - t) / 20)
+    return {"engine": "gemmajax-rest", "mode": _mode_name(mode), "rest": {"streams": s, **best}}
+
+
 CHILDREN = {"gemmajax": child_gemmajax, "gemmajax-paired": child_gemmajax_paired, "transformers": child_transformers,
-            "llama.cpp": child_llamacpp}
+            "llama.cpp": child_llamacpp, "gemmajax-rest": child_gemmajax_rest}
 
 
 def run_child(args) -> None:
@@ -366,7 +436,7 @@ def bandwidth_fraction(r: dict, s: int, bw_gbs: float, args) -> float | None:
 
 
 def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | None,
-           kind_floor: dict | None = None, paired: dict | None = None) -> str:
+           kind_floor: dict | None = None, paired: dict | None = None, rest: dict | None = None) -> str:
     head = ("| engine | mode | weights MB | load s | first calls s (1/16) | TTFT ms (1/16) | tok/s 1 | tok/s 16 "
             "| BW % 1 | BW % 16 | peak RSS MB |")
     lines = [f"CPU: {quiet.get('cpu') or cpu_description()}",
@@ -407,7 +477,7 @@ def report(results: list[dict], bw_gbs: float, args, quiet: dict, floor: dict | 
                   + " / ".join(str(s) for s in args.streams) + " streams, median of the rounds): "
                   + "; ".join(f"{m} " + " / ".join(f"{statistics.median(by[str(s)]):.1f}" for s in args.streams)
                               for m, by in paired.items())]
-    lines += ["", *targets(results, args, quiet, floor, kind_floor, paired)]
+    lines += ["", *targets(results, args, quiet, floor, kind_floor, paired, rest)]
     return "\n".join(lines)
 
 
@@ -452,8 +522,26 @@ def quiet_check(load_before: float, foreign: float) -> str | None:
     return "; ".join(why) or None
 
 
+def rest_note(rest: dict | None, best: dict | None, kind_floor: dict | None, s: int, need_rate: float) -> str:
+    """The 16-stream target's account of its step from child_gemmajax_rest (same mode and stream count only):
+    the bare step, the mode's GEMM floor and what is left beyond it, the step without its GEMMs, and how much a
+    step at `need_rate` tok/s leaves beyond the floor. "" when there is nothing to say."""
+    if not rest or not best or rest.get("mode") != best.get("mode") or rest.get("streams") != s:
+        return ""
+    step, alone = 1e3 * rest["step_s"], 1e3 * rest["rest_s"]
+    fl = mode_floor(kind_floor, "none" if best["mode"] == "bf16" else best["mode"], s)
+    out = f"; bare step {step:.1f} ms"
+    if fl:
+        out += f" = GEMM floor {1e3 * fl:.1f} + {step - 1e3 * fl:.1f}"
+    out += f"; the step without its GEMMs {alone:.1f} ms"
+    if need_rate:
+        need = 1e3 * s / need_rate
+        out += f"; the target needs a {need:.1f} ms step" + (f", {need - 1e3 * fl:.1f} ms beyond the GEMMs" if fl else "")
+    return out
+
+
 def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_floor: dict | None = None,
-            paired: dict | None = None) -> list[str]:
+            paired: dict | None = None, rest: dict | None = None) -> list[str]:
     """Issue 16's targets, each with its measured ratio and PASS / FAIL, or 'not judged' when the machine was not
     quiet (quiet_check); then the informational ratios. With the GEMM floors by mode (kind_floor, this run), each
     target also gets its ceiling: the best ratio the modes' GEMMs alone allow (a step is never faster than its GEMMs;
@@ -461,7 +549,8 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_flo
     ceiling is under what it needs says "out of reach with these GEMMs"; the targets against bf16 get the two GEMM
     floors' ratio, printed only (floor_ratio_vs_bf16). With `paired` (child_gemmajax_paired's rates), a target
     against bf16 is judged on the median of the in-round ratios (paired_ratio), the best-of-processes ratio printed
-    beside it."""
+    beside it. With `rest` (child_gemmajax_rest's figures for the best 16-stream mode), that target's line also
+    says what its step is made of (rest_note)."""
     ok = {(r["engine"], r["mode"]): r for r in results if "error" not in r and "skipped" not in r}
     s16 = args.streams[-1]
     why = quiet_check(quiet["load_before"], quiet["foreign"])
@@ -506,7 +595,8 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_flo
                  ratio(rate(bf, s16), floor_rate), 0.85, None, True))
     best16 = max(ours.values(), key=lambda r: r.get(f"tok_s_{s16}") or 0) if ours else None
     rows.append((f"best gemmajax mode at {s16} streams ({best16['mode'] if best16 else '-'}) / transformers bf16",
-                 ratio(rate(best16, s16), rate(hf, s16)), 2.0, bound(s16, rate(hf, s16), measured), True))
+                 ratio(rate(best16, s16), rate(hf, s16)), 2.0, bound(s16, rate(hf, s16), measured), True,
+                 rest_note(rest, best16, kind_floor, s16, 2.0 * (rate(hf, s16) or 0))))
     for mode in map(_mode_name, MODES):
         if mode in ours:  # a shorter time is better: the ratio is transformers' TTFT over ours
             rows.append((f"TTFT of {s16} prompts: transformers bf16 / gemmajax {mode}",
@@ -622,6 +712,8 @@ def main() -> None:
     ap.add_argument("--paired-rounds", type=int, default=4,
                     help="interleaved rounds of the paired child (every gemmajax mode in one process) that the "
                          "targets against bf16 are judged on; 0: none, judged on the best of the processes")
+    ap.add_argument("--no-rest", action="store_true",
+                    help="skip the step of the best 16-stream mode without its GEMMs (child_gemmajax_rest)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM floor (bench/gemm_floor.py) measurement")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -679,18 +771,26 @@ def main() -> None:
         r = spawn("gemmajax-paired:" + ",".join(args.modes), args)
         print(json.dumps({k: v for k, v in r.items() if k != "paired"}), flush=True)
         paired = r.get("paired")  # None after a failed child: the targets fall back to the best of the processes
+    rest = None
+    best16 = max((best_of_rounds(rs, f"tok_s_{args.streams[-1]}") for c, rs in seen.items()
+                  if c.startswith("gemmajax:")), key=lambda r: r.get(f"tok_s_{args.streams[-1]}") or 0, default=None)
+    if best16 and best16.get(f"tok_s_{args.streams[-1]}") and not args.no_rest:
+        r = spawn("gemmajax-rest:" + ("none" if best16["mode"] == "bf16" else best16["mode"]), args)
+        print(json.dumps(r), flush=True)
+        rest = r.get("rest") and {"mode": r["mode"], **r["rest"]}
     wall = time.perf_counter() - t0
     foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
     quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign, "cpu": cpu_description()}
     results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
-    text = report(results, bw, args, quiet, floor, kind_floor, paired)
+    text = report(results, bw, args, quiet, floor, kind_floor, paired, rest)
     if args.rounds > 1:
         text += "\n" + "\n".join(spread(seen, args))
     print("\n" + text)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bandwidth_gbs": bw, "results": results, "args": vars(args), "quiet": quiet,
-                       "gemm_floor_s": floor, "gemm_floor_by_kind_s": kind_floor, "paired": paired}, fh, indent=1)
+                       "gemm_floor_s": floor, "gemm_floor_by_kind_s": kind_floor, "paired": paired, "rest": rest},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

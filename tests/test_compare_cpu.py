@@ -99,6 +99,40 @@ def test_targets_say_which_failures_the_gemm_floors_put_out_of_reach():
     plain = compare_cpu.targets(res, args, quiet, floor16)
     assert not any("ceiling" in ln or "out of reach" in ln for ln in plain)
 
+    # the rest-of-the-step child's figures for the best 16-stream mode: the bare step against its floor (18 + 28 =
+    # 46 ms), the step without its GEMMs, and what 2 x 184 tok/s (a 43.5 ms step) leaves beyond the GEMMs (-2.5 ms)
+    rest = {"mode": "w8a8+emb8", "streams": 16, "step_s": 51.0e-3, "rest_s": 6.4e-3}
+    with_rest = compare_cpu.targets(res, args, quiet, floor16, KIND_FLOOR, None, rest)
+    lines = with_rest
+    assert line("best gemmajax mode at 16 streams").endswith(
+        "1.63x (target >= 2x; GEMM ceiling 1.89x; bare step 51.0 ms = GEMM floor 46.0 + 5.0; the step without its "
+        "GEMMs 6.4 ms; the target needs a 43.5 ms step, -2.5 ms beyond the GEMMs): FAIL, out of reach with these "
+        "GEMMs")
+    # every other line is as without it; figures of another mode or stream count are not this target's
+    assert [ln for ln in with_rest if "at 16 streams (" not in ln] == [
+        ln for ln in compare_cpu.targets(res, args, quiet, floor16, KIND_FLOOR) if "at 16 streams (" not in ln]
+    for other in ({**rest, "mode": "bf16"}, {**rest, "streams": 8}):
+        assert compare_cpu.rest_note(other, res[1], KIND_FLOOR, 16, 368.0) == ""
+    # without the floors only the measured parts
+    assert compare_cpu.rest_note(rest, res[1], None, 16, 368.0) == (
+        "; bare step 51.0 ms; the step without its GEMMs 6.4 ms; the target needs a 43.5 ms step")
+
+
+def test_gemm_stand_in_has_the_products_shape_and_reads_no_weight():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gemmajax.quant.array import QuantArray
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 8)), jnp.bfloat16)
+    y = compare_cpu.gemm_stand_in(x, jnp.zeros((12, 8), jnp.bfloat16))
+    assert y.shape == (3, 5, 12) and y.dtype == jnp.bfloat16
+    # x's first column times a ramp over the output columns: distinct values, so an argmax over them is not trivial
+    want = np.asarray(x[..., :1], np.float32) * (np.arange(12, dtype=np.float32) * np.float32(1 / 12))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
+    q = QuantArray(values=jnp.zeros((16, 8), jnp.int8), scale=jnp.ones((16,), jnp.float32), kind="int8",
+                   shape=(12, 8), group=0, dtype=jnp.bfloat16)
+    assert compare_cpu.gemm_stand_in(x, q).shape == (3, 5, 12)  # a QuantArray's logical out, not its padded rows
+
 
 def test_paired_ratio_is_the_median_of_the_in_round_ratios():
     # bf16 drifts from round to round (the machine's speed); the mode is 10 % faster within every round but slower
