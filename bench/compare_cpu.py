@@ -10,7 +10,9 @@ read per decode step (weights once, plus the KV cache at the mean context) x ste
 measures itself (numpy sums over a 1 GB array, one thread per core). The targets against bf16 are judged on a paired
 child instead (--paired-rounds, default 4): every gemmajax mode an engine of one process, timed in interleaved rounds,
 each mode's rate over bf16's taken within a round and the median kept, since the machine's speed drifts over minutes
-and two processes' bests need not share a state. The output starts with the CPU (model and matrix features): the
+and two processes' bests need not share a state. Last, the best 16-stream mode's bare step is timed with and
+without its weight GEMMs (child_gemmajax_rest; --no-rest skips it), and that target's line says what the step is made
+of and how much the target leaves beyond the GEMMs. The output starts with the CPU (model and matrix features): the
 same kind of machine has been an AMD EPYC (Zen 4) and an Intel Xeon with AMX, which rank the modes differently.
 
     .venv/bin/python bench/compare_cpu.py                            # everything (about 20-30 min on 2 cores)
