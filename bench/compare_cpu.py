@@ -487,6 +487,11 @@ def _mode_name(mode: str) -> str:
     return "bf16" if mode == "none" else mode
 
 
+def _mode_arg(name: str) -> str:
+    """`_mode_name`'s inverse: the MODES entry (and --quant value) of a table row's mode."""
+    return "none" if name == "bf16" else name
+
+
 def mode_floor(kind_floor: dict | None, mode: str, rows: int) -> float | None:
     """Seconds the GEMMs of one step of `mode` (MODES: "none", "w8a8" or "w4a16", with "+emb8" / "+emb4") take
     alone at `rows`: its layers' weight kind plus its LM head's, from gemm_floor.measure()'s "xla_kinds"
@@ -531,7 +536,7 @@ def rest_note(rest: dict | None, best: dict | None, kind_floor: dict | None, s: 
     if not rest or not best or rest.get("mode") != best.get("mode") or rest.get("streams") != s:
         return ""
     step, alone = 1e3 * rest["step_s"], 1e3 * rest["rest_s"]
-    fl = mode_floor(kind_floor, "none" if best["mode"] == "bf16" else best["mode"], s)
+    fl = mode_floor(kind_floor, _mode_arg(best["mode"]), s)
     out = f"; bare step {step:.1f} ms"
     if fl:
         out += f" = GEMM floor {1e3 * fl:.1f} + {step - 1e3 * fl:.1f}"
@@ -773,17 +778,16 @@ def main() -> None:
         r = spawn("gemmajax-paired:" + ",".join(args.modes), args)
         print(json.dumps({k: v for k, v in r.items() if k != "paired"}), flush=True)
         paired = r.get("paired")  # None after a failed child: the targets fall back to the best of the processes
-    rest = None
-    best16 = max((best_of_rounds(rs, f"tok_s_{args.streams[-1]}") for c, rs in seen.items()
-                  if c.startswith("gemmajax:")), key=lambda r: r.get(f"tok_s_{args.streams[-1]}") or 0, default=None)
-    if best16 and best16.get(f"tok_s_{args.streams[-1]}") and not args.no_rest:
-        r = spawn("gemmajax-rest:" + ("none" if best16["mode"] == "bf16" else best16["mode"]), args)
+    results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
+    rest, key16 = None, f"tok_s_{args.streams[-1]}"
+    best16 = max((r for r in results if r["engine"] == "gemmajax"), key=lambda r: r.get(key16) or 0, default=None)
+    if best16 and best16.get(key16) and not args.no_rest:  # the mode targets() judges at the most streams
+        r = spawn("gemmajax-rest:" + _mode_arg(best16["mode"]), args)
         print(json.dumps(r), flush=True)
         rest = r.get("rest") and {"mode": r["mode"], **r["rest"]}
     wall = time.perf_counter() - t0
     foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
     quiet = {"load_before": load0, "load_after": os.getloadavg()[0], "foreign": foreign, "cpu": cpu_description()}
-    results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
     text = report(results, bw, args, quiet, floor, kind_floor, paired, rest)
     if args.rounds > 1:
         text += "\n" + "\n".join(spread(seen, args))
