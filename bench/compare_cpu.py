@@ -529,6 +529,13 @@ def quiet_check(load_before: float, foreign: float) -> str | None:
     return "; ".join(why) or None
 
 
+def best_gemmajax(results: list[dict], s: int) -> dict | None:
+    """The gemmajax row (of a mode that ran) with the most tok/s at s streams: the mode the best-mode targets judge,
+    and the one the rest-of-the-step child measures. None without one."""
+    ours = [r for r in results if r["engine"] == "gemmajax" and "error" not in r and "skipped" not in r]
+    return max(ours, key=lambda r: r.get(f"tok_s_{s}") or 0, default=None)
+
+
 def rest_note(rest: dict | None, best: dict | None, kind_floor: dict | None, s: int, need_rate: float) -> str:
     """The 16-stream target's account of its step from child_gemmajax_rest (same mode and stream count only):
     the bare step, the mode's GEMM floor and what is left beyond it, the step without its GEMMs, and how much a
@@ -594,13 +601,13 @@ def targets(results: list[dict], args, quiet: dict, floor: dict | None, kind_flo
             rows.append((what, x, 1.0, floor_ratio_vs_bf16(kind_floor, mode, s), False, note))
     rows.append((f"gemmajax w4a16+emb4 / {lc_name} at 1 stream", ratio(rate(ours.get("w4a16+emb4"), 1), rate(lc, 1)),
                  1.0, bound(1, rate(lc, 1), ["w4a16+emb4"]), True))
-    best1 = max(ours.values(), key=lambda r: r.get("tok_s_1") or 0) if ours else None
+    best1 = best_gemmajax(results, 1)
     rows.append((f"best gemmajax mode at 1 stream ({best1['mode'] if best1 else '-'}) / {lc_name}",
                  ratio(rate(best1, 1), rate(lc, 1)), 1.5, bound(1, rate(lc, 1), measured), True))
     floor_rate = s16 / sum(floor[s16]) if floor and s16 in floor else None
     rows.append((f"gemmajax bf16 at {s16} streams / the GEMM floor's rate ({floor_rate or 0:.0f} tok/s)",
                  ratio(rate(bf, s16), floor_rate), 0.85, None, True))
-    best16 = max(ours.values(), key=lambda r: r.get(f"tok_s_{s16}") or 0) if ours else None
+    best16 = best_gemmajax(results, s16)
     rows.append((f"best gemmajax mode at {s16} streams ({best16['mode'] if best16 else '-'}) / transformers bf16",
                  ratio(rate(best16, s16), rate(hf, s16)), 2.0, bound(s16, rate(hf, s16), measured), True,
                  rest_note(rest, best16, kind_floor, s16, 2.0 * (rate(hf, s16) or 0))))
@@ -779,9 +786,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in r.items() if k != "paired"}), flush=True)
         paired = r.get("paired")  # None after a failed child: the targets fall back to the best of the processes
     results = [best_of_rounds(rs, f"tok_s_{args.streams[0]}") for rs in seen.values()]
-    rest, key16 = None, f"tok_s_{args.streams[-1]}"
-    best16 = max((r for r in results if r["engine"] == "gemmajax"), key=lambda r: r.get(key16) or 0, default=None)
-    if best16 and best16.get(key16) and not args.no_rest:  # the mode targets() judges at the most streams
+    rest, best16 = None, best_gemmajax(results, args.streams[-1])
+    if best16 and best16.get(f"tok_s_{args.streams[-1]}") and not args.no_rest:  # the mode targets() judges
         r = spawn("gemmajax-rest:" + _mode_arg(best16["mode"]), args)
         print(json.dumps(r), flush=True)
         rest = r.get("rest") and {"mode": r["mode"], **r["rest"]}

@@ -169,3 +169,14 @@ def test_paired_ratio_is_the_median_of_the_in_round_ratios():
     # without the paired figures the verdict is the best of the processes'
     lines = compare_cpu.targets(res, args, quiet, None)
     assert line("w8a8 / gemmajax bf16 at 1 stream") == "  gemmajax w8a8 / gemmajax bf16 at 1 stream: 0.88x (target >= 1x): FAIL"
+
+
+def test_best_gemmajax_is_the_fastest_mode_that_ran():
+    rows = [{"engine": "gemmajax", "mode": "bf16", "tok_s_1": 50.0, "tok_s_16": 300.0},
+            {"engine": "gemmajax", "mode": "w8a8", "tok_s_1": 90.0, "tok_s_16": 280.0},
+            {"engine": "gemmajax", "mode": "w4a16", "tok_s_1": 99.0, "tok_s_16": 310.0, "skipped": "no"},
+            {"engine": "gemmajax", "mode": "w4a16+emb4", "error": "boom"},
+            {"engine": "transformers", "mode": "bf16", "tok_s_1": 120.0, "tok_s_16": 400.0}]
+    assert compare_cpu.best_gemmajax(rows, 1)["mode"] == "w8a8"
+    assert compare_cpu.best_gemmajax(rows, 16)["mode"] == "bf16"
+    assert compare_cpu.best_gemmajax(rows[3:], 16) is None
