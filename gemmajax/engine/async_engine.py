@@ -193,7 +193,9 @@ def _llm_from_args(args):
                kv_cache_memory=getattr(args, "kv_cache_memory", None),
                speculative_config=getattr(args, "speculative_config", None),
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-               enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
+               enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+               **({"num_scheduler_steps": args.num_scheduler_steps}
+                  if getattr(args, "num_scheduler_steps", None) is not None else {}))
 
 
 def follow_from_args(args) -> int:

@@ -78,9 +78,13 @@ class LLM:
                  page_size: int = 32, kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  attn_impl: str = "auto", seed: int = 0, tokenizer=None, speculative_config: dict | None = None,
                  token_buckets: tuple[int, ...] | None = None, seq_buckets: tuple[int, ...] | None = None,
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 num_scheduler_steps: int = EngineConfig.num_scheduler_steps):
         """token_buckets / seq_buckets: the step shapes compiled for (EngineConfig's; default: the engine's
         ladders). Fewer buckets, fewer compiles: tests pin them.
+
+        num_scheduler_steps: greedy decode steps one device program may run once every sequence is decoding
+        (EngineConfig's; vLLM's name): the host schedules and reads tokens once per program. 1 = one step each.
 
         tensor_parallel_size N > 1: the weights are split over the first N devices (gemmajax/parallel.py: heads,
         MLP columns / rows, vocabulary) and the KV pages by KV head; kv_cache_memory is then per device.
@@ -116,7 +120,7 @@ class LLM:
             page_size=page_size, kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, seed=seed,
             speculative=SpecConfig.parse(speculative_config), token_buckets=token_buckets, seq_buckets=seq_buckets,
-            parallel=self.plan),
+            parallel=self.plan, num_scheduler_steps=num_scheduler_steps),
             multimodal=None if self.mm_config is None else (self.mm_config, mm_weights))
         if isinstance(self.engine.runner.weights.layers, LayerStack):   # one copy held: the engine's
             self.model = _ServedModel(self.model, self.engine)

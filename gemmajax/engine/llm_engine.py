@@ -69,6 +69,11 @@ class EngineConfig:
     seed: int = 0
     token_buckets: tuple[int, ...] | None = None   # step token counts compiled for (default: runner.token_buckets)
     async_scheduling: bool = True                  # dispatch decode step N+1 before reading step N's tokens
+    # With async_scheduling, a lookahead of plain-greedy decodes runs up to this many decode steps in one device
+    # program (vLLM's name; runner.model_decode_steps), so the host schedules, dispatches and reads once per
+    # program. Tokens then arrive in bursts of up to this many, and a request that arrives meanwhile waits for the
+    # program to end. 1 = one step a program.
+    num_scheduler_steps: int = 8
     seq_buckets: tuple[int, ...] | None = None     # step sequence counts compiled for (default: powers of 2)
     speculative: SpecConfig | None = None          # speculative decoding (engine/spec_decode.py)
     parallel: Any = None                           # gemmajax.parallel.ShardPlan: caches split on its mesh (LLM)
@@ -92,6 +97,13 @@ class _Pending:
     drafts: list[list[int]] = field(default_factory=list)   # per entry: the drafted tokens it verifies
     masks: list = field(default_factory=list)              # per entry: grammar masks of its k + 1 rows, or None
     hidden: Any = None                                     # [R_pad, D] final-normed hidden of the rows (drafter)
+    steps: int = 1          # decode steps the program runs; > 1 or `last` set: result is tokens [max_steps, R_pad]
+    last: Any = None        # a decode-steps program's last step's tokens [R_pad]
+
+    @property
+    def next_input(self) -> Any:
+        """Tokens [R_pad] a lookahead step after this one takes as its input: the last step's."""
+        return self.result if self.last is None else self.last
 
     @property
     def rows(self) -> list[int]:
@@ -140,6 +152,9 @@ class LLMEngine:
     def __init__(self, cfg: ModelConfig, weights: gemma.Weights, tokenizer, config: EngineConfig = EngineConfig(),
                  multimodal: tuple | None = None):
         """multimodal: (MultimodalConfig, MultimodalWeights) of the checkpoint's vision / audio towers, or None."""
+        if not isinstance(config.num_scheduler_steps, int) or config.num_scheduler_steps < 1:
+            raise ValueError(f"EngineConfig.num_scheduler_steps must be an int >= 1 (decode steps one device "
+                             f"program may run), got {config.num_scheduler_steps!r}")
         if config.stack_layers and config.parallel is not None:
             raise ValueError("EngineConfig.stack_layers=True with a parallel plan: the plan shards the weights by "
                              "their per-layer names, which a stacked tree does not have; leave stack_layers None "
@@ -204,7 +219,7 @@ class LLMEngine:
         self._held: dict[str, list[Sequence]] = {}   # parent request id -> siblings waiting for its prompt's pages
         self._unseeded = np.random.default_rng(config.seed)   # seeds of unseeded requests: this engine's alone
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
-                               "lookahead_steps": 0}
+                               "lookahead_steps": 0, "multi_steps": 0}
         self._inflight: _Pending | None = None   # a dispatched lookahead step whose tokens are not read yet
         self.spec_config = SpecConfig.parse(config.speculative)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
@@ -230,7 +245,9 @@ class LLMEngine:
     def precompile(self, greedy_only: bool = False) -> float:
         """Compile (and run once, on padding) the step of every shape in `step_shapes`, so no request waits for a
         compile later; with the persistent compilation cache a restart mostly loads them. Both step variants
-        (greedy tokens and full logits) unless greedy_only. Nothing is written: every slot of a padding step is
+        (greedy tokens, a decode-steps program for decode-only shapes when num_scheduler_steps > 1, and full
+        logits) unless greedy_only; a decode-only shape's greedy one also as a lookahead calls it (its token ids
+        on the device). Nothing is written: every slot of a padding step is
         skipped. Returns the seconds it took."""
         if self.has_unfinished():
             raise RuntimeError("precompile() must run before any request is added")
@@ -239,7 +256,15 @@ class LLMEngine:
         for i, (t_pad, s_pad, dec) in enumerate(shapes):
             inp = build_step_inputs(self.spec, [], t_pad, s_pad)
             inp = dataclasses.replace(inp, metas=tuple(dataclasses.replace(m, decode_only=dec) for m in inp.metas))
-            outs = [self.runner.forward_greedy(inp)] + ([] if greedy_only else [self.runner.forward(inp)])
+            multi = dec and self._decode_steps_program()
+
+            def greedy(inp, multi=multi):
+                if multi:
+                    return self.runner.forward_decode_steps(inp, 1, self.config.num_scheduler_steps)[1]
+                return self.runner.forward_greedy(inp)
+            outs = [greedy(inp)] + ([] if greedy_only else [self.runner.forward(inp)])
+            if dec:   # as a lookahead step takes its token ids: a device array, the previous step's tokens
+                outs.append(greedy(dataclasses.replace(inp, token_ids=_take(outs[0], np.zeros(t_pad, np.int32)))))
             jax.block_until_ready(outs)
             logger.info("precompiled step %d/%d: %d tokens, %d sequences%s", i + 1, len(shapes), t_pad, s_pad,
                         " (decode)" if dec else "")
@@ -353,29 +378,43 @@ class LLMEngine:
             if not sched.scheduled:
                 return outputs + self._flush_finished()
             pending = self._dispatch(sched.scheduled)
-        if self.config.async_scheduling and self.spec_config is None and pending.greedy and all(pending.samples) \
-                and not self._held \
-                and all(self._may_look_ahead(e.seq) for e in pending.scheduled):
-            ahead = self.scheduler.schedule_lookahead(pending.scheduled)
+        k = self._lookahead_steps(pending) if self.config.async_scheduling and self.spec_config is None \
+            and pending.greedy and all(pending.samples) and not self._held else 0
+        if k:
+            ahead = self.scheduler.schedule_ahead(pending.scheduled, pending.steps, k)
             if ahead is not None:
-                self._inflight = self._dispatch(ahead, prev=pending)
+                self._inflight = self._dispatch(ahead[0], prev=pending, steps=ahead[1])
                 self.stats_counters["lookahead_steps"] += 1
+                self.stats_counters["multi_steps"] += ahead[1] > 1
         outputs += self._complete(pending)
         if self._inflight is not None and not any(s.seq.status == SequenceStatus.RUNNING
                                                   for s in self._inflight.scheduled):
             self._inflight = None   # every sequence in it stopped on pending's token: nothing to read
         return outputs
 
-    def _may_look_ahead(self, seq: Sequence) -> bool:
-        """No host decision is due on this sequence's next two tokens (a forced end of thought)."""
-        st = self._reqs.get(seq.request_id)
-        return st is None or st.seq is not seq or st.thought is None or st.thought.safe_to_look_ahead()
+    def _lookahead_steps(self, pending: _Pending) -> int:
+        """How many decode steps a lookahead after `pending` may run (0: none): the most, up to
+        num_scheduler_steps (1 unless the decode-steps program is in use), for which no host decision is due on
+        any of its sequences' tokens, pending's included (a forced end of thought)."""
+        k = self.config.num_scheduler_steps if self._decode_steps_program() else 1
+        for e in pending.scheduled:
+            st = self._reqs.get(e.seq.request_id)
+            if st is None or st.seq is not e.seq or st.thought is None:
+                continue
+            while k and not st.thought.safe_to_look_ahead(pending.steps + k):
+                k -= 1
+        return k
 
-    def _dispatch(self, scheduled: list, prev: _Pending | None = None) -> _Pending:
+    def _decode_steps_program(self) -> bool:
+        """Plain-greedy decode-only steps run as `runner.model_decode_steps` (one program, 1 or more steps)."""
+        return self.config.num_scheduler_steps > 1 and self.drafter is None
+
+    def _dispatch(self, scheduled: list, prev: _Pending | None = None, steps: int = 1) -> _Pending:
         """Build the step's inputs and start it on the device (nothing here waits for the device).
 
-        prev: the step still running whose sampled tokens are this step's input tokens (a lookahead step: one
-        decode token per sequence, each sequence in prev's batch)."""
+        prev: the step still running whose (last) sampled tokens are this step's input tokens (a lookahead step:
+        one decode token per sequence, each sequence in prev's batch). steps: decode steps to run in one program
+        (a lookahead's, `Scheduler.schedule_ahead`)."""
         entries, drafts, masks, media = [], [], [], []
         for e in scheduled:
             seq, n = e
@@ -394,8 +433,8 @@ class LLMEngine:
                 masks.append(st.spec_masks[:1 + len(d)] if d and st is not None and st.constraint is not None
                              else None)
                 drafts.append(d)
-            else:  # position seq.num_tokens: the token prev is sampling
-                entries.append(([0], seq.num_tokens, 1, [list(pt) for pt in seq.page_tables]))
+            else:  # the last token prev is sampling, at position seq.num_tokens + prev.steps - 1
+                entries.append(([0], seq.num_tokens + prev.steps - 1, 1, [list(pt) for pt in seq.page_tables]))
         T = sum(n for _, n in scheduled)
         S = len(scheduled)
         R = S + sum(len(d) for d in drafts)
@@ -410,13 +449,19 @@ class LLMEngine:
             row = {s.seq.seq_id: i for i, s in enumerate(prev.scheduled)}
             src = np.zeros(t_pad, np.int32)
             src[:S] = [row[s.seq.seq_id] for s in scheduled]
-            inp = dataclasses.replace(inp, token_ids=_take(prev.result, src))
+            inp = dataclasses.replace(inp, token_ids=_take(prev.next_input, src))
         samples = [s.samples if prev is None else True for s in scheduled]
         seqs = [s.seq for s, ok in zip(scheduled, samples) if ok]
         states = [self._reqs[s.request_id] for s in seqs]
         greedy = prev is not None or plain_greedy(seqs, [st.constraint for st in states], self.eos_token_ids,
                                                   [st.forced_token() for st in states])
         want_h = self.drafter is not None
+        if greedy and R == T == S and t_pad == s_pad and self._decode_steps_program() and inp.soft_mask is None \
+                and inp.block_lo is None:   # (soft tokens and image blocks are one step's own)
+            result, last = self.runner.forward_decode_steps(inp, steps, self.config.num_scheduler_steps)
+            return _Pending(list(scheduled), samples, s_pad, greedy, result, steps=steps, last=last)
+        if steps != 1:
+            raise ValueError(f"_dispatch: {steps} decode steps asked of a step that is not a plain-greedy decode")
         # greedy: argmax inside the step, no [S, V] float32 logits, no sampler dispatch (same tokens as the sampler)
         result = (self.runner.forward_greedy if greedy else self.runner.forward)(inp, hidden=want_h)
         hidden = None
@@ -445,7 +490,12 @@ class LLMEngine:
         first = p.first_rows
         verifying = [i for i in p.rows if p.drafts and p.drafts[i]]
         plain = [i for i in p.rows if not (p.drafts and p.drafts[i])]
-        if p.greedy:
+        if p.greedy and p.last is not None:   # a decode-steps program: row j holds step j's tokens
+            toks_all = np.asarray(p.result)[:p.steps]
+            for i in plain:
+                col = toks_all[:, first[i]]
+                sampled[sched[i].seq.seq_id] = int(col[0]) if p.steps == 1 else [int(t) for t in col]
+        elif p.greedy:
             toks_all = np.asarray(p.result)
             for i in plain:
                 sampled[sched[i].seq.seq_id] = int(toks_all[first[i]])
@@ -472,18 +522,18 @@ class LLMEngine:
                 new = sampled[sched[i].seq.seq_id]
                 if st is not None:
                     st.draft_hidden = h[first[i] + (len(new) - 1 if isinstance(new, list) else 0)]
-        self.scheduler.update_after_step(sched, sampled)
+        self.scheduler.update_after_step(sched, sampled, steps=p.steps)
         self.stats_counters["steps"] += 1
         for seq, _ in sched:
             if seq.seq_id not in sampled:
                 continue
             st = self._reqs.get(seq.request_id)
             if st is None or st.seq is not seq or len(seq.output_token_ids) <= st.sent_tokens:
-                continue  # gone, or finished before this (lookahead) step's token was appended
+                continue  # gone, or finished before this (lookahead) step's first token was appended
             new = sampled[seq.seq_id]
             new = new[:len(seq.output_token_ids) - st.sent_tokens] if isinstance(new, list) else [new]
             self.stats_counters["generation_tokens"] += len(new)
-            for tok in new:   # several when drafts were accepted (cut where the sequence stopped)
+            for tok in new:   # several with accepted drafts or decode steps (cut where the sequence stopped)
                 if st.thought is not None:
                     st.thought.advance(tok)
                 if st.constraint is not None and not st.constraint.is_done():

@@ -27,22 +27,24 @@ from gemmajax.engine.runner import ModelRunner, StepInputs, build_step_inputs
 logger = logging.getLogger(__name__)
 
 OP_STOP, OP_STEP = 0, 1
-_HEADER = 8   # int32: op, t_pad, s_pad, r_pad, greedy, hidden, decode_only bits (metas), decode_only bits (shared)
+# int32: op, t_pad, s_pad, r_pad, greedy, hidden, decode_only bits (metas), decode_only bits (shared), and for a
+# decode-steps program (runner.model_decode_steps) its steps and max_steps (0, 0: a plain step)
+_HEADER = 10
 
 
 def _bits(flags) -> int:
     return sum(1 << i for i, f in enumerate(flags) if f)
 
 
-def _header(inp: StepInputs, greedy: bool, hidden: bool) -> np.ndarray:
+def _header(inp: StepInputs, greedy: bool, hidden: bool, steps: int = 0, max_steps: int = 0) -> np.ndarray:
     return np.array([OP_STEP, inp.token_ids.shape[0], inp.metas[0].kv_lens.shape[0], inp.logits_indices.shape[0],
                      int(greedy), int(hidden), _bits(m.decode_only for m in inp.metas),
-                     _bits(m.decode_only for m in inp.shared_metas)], np.int32)
+                     _bits(m.decode_only for m in inp.shared_metas), steps, max_steps], np.int32)
 
 
 def _template(runner: ModelRunner, hdr: np.ndarray) -> StepInputs:
     """Zero inputs with the structure and shapes the header describes (the follower's side of the broadcast)."""
-    _, t, s, r, _, _, dec, sdec = (int(x) for x in hdr)
+    _, t, s, r, _, _, dec, sdec, _, _ = (int(x) for x in hdr)
     inp = build_step_inputs(runner.spec, [], t, s, r)
     return dataclasses.replace(
         inp, metas=tuple(dataclasses.replace(m, decode_only=bool(dec >> i & 1)) for i, m in enumerate(inp.metas)),
@@ -57,6 +59,13 @@ def _local(out):
     return out.addressable_data(0)
 
 
+def _run_step(runner: ModelRunner, inp: StepInputs, greedy: bool, hidden: bool, steps: int, max_steps: int):
+    """The step a header describes, on this host's runner."""
+    if max_steps:
+        return runner.forward_decode_steps(inp, steps, max_steps)
+    return (runner.forward_greedy if greedy else runner.forward)(inp, hidden=hidden)
+
+
 class LeaderRunner:
     """Host 0's runner: broadcasts every step to the followers, then runs it. Same interface as ModelRunner."""
 
@@ -68,21 +77,23 @@ class LeaderRunner:
     def __getattr__(self, name):          # weights, spec, kv, ...: the wrapped runner's
         return getattr(self.runner, name)
 
-    def _run(self, inp: StepInputs, greedy: bool, hidden: bool):
+    def _run(self, inp: StepInputs, greedy: bool, hidden: bool, steps: int = 0, max_steps: int = 0):
         if inp.soft_mask is not None:
             raise NotImplementedError("multi-host serving: images / audio in a step are not broadcast to the other "
                                       "hosts yet; serve text only, or run on one host")
         inp = jax.tree.map(np.asarray, inp)        # a lookahead step's token ids may be a device array
-        multihost_utils.broadcast_one_to_all(_header(inp, greedy, hidden))
+        multihost_utils.broadcast_one_to_all(_header(inp, greedy, hidden, steps, max_steps))
         multihost_utils.broadcast_one_to_all(inp)
-        out = (self.runner.forward_greedy if greedy else self.runner.forward)(inp, hidden=hidden)
-        return _local(out)
+        return _local(_run_step(self.runner, inp, greedy, hidden, steps, max_steps))
 
     def forward(self, inp: StepInputs, hidden: bool = False):
         return self._run(inp, False, hidden)
 
     def forward_greedy(self, inp: StepInputs, hidden: bool = False):
         return self._run(inp, True, hidden)
+
+    def forward_decode_steps(self, inp: StepInputs, steps: int, max_steps: int):
+        return self._run(inp, True, False, steps, max_steps)
 
     def close(self) -> None:
         """Tell the followers to return from `follow` (idempotent; also run at exit)."""
@@ -109,7 +120,6 @@ def follow(runner: ModelRunner) -> int:
         if int(hdr[0]) == OP_STOP:
             return steps
         inp = multihost_utils.broadcast_one_to_all(_template(runner, hdr))
-        greedy, hidden = bool(hdr[4]), bool(hdr[5])
-        out = (runner.forward_greedy if greedy else runner.forward)(inp, hidden=hidden)
+        out = _run_step(runner, inp, bool(hdr[4]), bool(hdr[5]), int(hdr[8]), int(hdr[9]))
         jax.block_until_ready(out)
         steps += 1

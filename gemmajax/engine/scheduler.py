@@ -304,35 +304,53 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, finished=finished)
 
-    def schedule_lookahead(self, prev: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
-        """The next step's work while step `prev` is still on the device, or None when it cannot be known yet.
+    def schedule_lookahead(self, prev: list[ScheduledSeq], prev_steps: int = 1) -> list[ScheduledSeq] | None:
+        """`schedule_ahead` for a one-step lookahead: its entries, or None."""
+        ahead = self.schedule_ahead(prev, prev_steps, 1)
+        return None if ahead is None else ahead[0]
+
+    def schedule_ahead(self, prev: list[ScheduledSeq], prev_steps: int = 1,
+                       max_steps: int = 1) -> tuple[list[ScheduledSeq], int] | None:
+        """The next step's work while step `prev` is still on the device, or None when it cannot be known yet:
+        (entries, k), k decode steps of every entry (1 <= k <= max_steps) to run in one program.
 
         Known only in the steady decode state: every entry of `prev` samples a token, every running sequence is
-        in `prev`, and no waiting request could be admitted. Then each sequence of `prev` that will not reach
-        max_tokens / max_model_len with that token decodes it next: (seq, 1) at position seq.num_tokens, its
-        page allocated ahead. The token itself is the device result of `prev` (the engine feeds it on device);
-        a sequence that stops on that token is skipped by update_after_step, its result discarded. Allocation
-        never preempts: out of pages, this returns None (keeping what it allocated, which the next step needs
-        anyway) and the engine schedules normally once `prev` is done."""
+        in `prev`, and no waiting request could be admitted. `prev` samples `prev_steps` tokens per sequence
+        (a multi-step program; 1 for a plain step), not appended yet. Each sequence of `prev` that will not reach
+        max_tokens / max_model_len with them decodes next: (seq, 1) at position seq.num_tokens + prev_steps - 1
+        (prev's last token), then k - 1 more positions, its pages allocated ahead. k is the most steps no entry
+        can go past its max_tokens / max_model_len in, capped at max_steps. The input token is the device result
+        of `prev` (the engine feeds it on device); a sequence that stops within prev's tokens is skipped by
+        update_after_step, its result discarded, and so are the tokens after the one it stops on. Allocation
+        never preempts: out of pages for k steps this tries one; out of pages for one, it returns None (keeping
+        what it allocated, which the next steps need anyway) and the engine schedules normally once `prev` is
+        done."""
         cfg, bm = self.config, self.block_manager
+        if prev_steps < 1 or max_steps < 1:
+            raise ValueError(f"schedule_ahead: prev_steps and max_steps must be >= 1, got {prev_steps}, {max_steps}")
         if not prev or self._finished_outside_step or (self.waiting and len(self.running) < cfg.max_num_seqs):
             return None
         ids = {s.seq.seq_id for s in prev}
         if any(not s.samples for s in prev) or any(seq.seq_id not in ids for seq in self.running):
             return None
-        out: list[ScheduledSeq] = []
+        room = {}
         for seq, _ in prev:
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= cfg.max_model_len:
-                continue  # stops by length on prev's token
-            if not bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens, ahead=1):
-                return None
-            out.append(ScheduledSeq(seq, 1))
-        return out or None
+            r = min(seq.params.max_tokens - seq.num_output_tokens, cfg.max_model_len - seq.num_tokens) - prev_steps
+            if r > 0:   # else it stops by length on one of prev's tokens
+                room[seq.seq_id] = (seq, r)
+        if not room:
+            return None
+        k = min(max_steps, min(r for _, r in room.values()))
+        for steps in dict.fromkeys((k, 1)):
+            if all(bm.allocate(seq, seq.num_tokens + prev_steps - 1 + steps - seq.num_computed_tokens,
+                               ahead=prev_steps - 1 + steps) for seq, _ in room.values()):
+                return [ScheduledSeq(seq, 1) for seq, _ in room.values()], steps
+        return None
 
     def update_after_step(self, scheduled: SchedulerOutput | list[ScheduledSeq] | list[tuple[Sequence, int]],
-                          sampled_token_ids: dict[int, int | None]) -> list[Sequence]:
+                          sampled_token_ids: dict[int, int | None], steps: int = 1) -> list[Sequence]:
         """Record a finished step: advance num_computed_tokens, append the sampled token of every sequence
         whose known tokens are now all computed (partial prefill chunks sample nothing), stop sequences on
         EOS / stop_token_ids (not before min_tokens), max_tokens or max_model_len, free finished ones and
@@ -367,12 +385,12 @@ class Scheduler:
             if tokens is None:
                 raise ValueError(f"update_after_step: no sampled token for {seq!r}, whose prefill is complete")
             tokens = [tokens] if isinstance(tokens, int) or not hasattr(tokens, "__len__") else list(tokens)
-            if len(tokens) > 1 + num_spec:
+            if len(tokens) > max(1 + num_spec, steps):
                 raise ValueError(f"update_after_step: {len(tokens)} new tokens for {seq!r}, which verified "
-                                 f"{num_spec} drafts")
+                                 f"{num_spec} drafts in a step of {steps} decode steps")
             reason = None
             for i, token in enumerate(tokens):
-                if i:   # an accepted draft: its K/V were written by this step
+                if i:   # an accepted draft, or a later decode step's token: its K/V were written by this step
                     seq.num_computed_tokens += 1
                 seq.append_token(token)
                 reason, stop_reason = self._stop_reason(seq, int(token))

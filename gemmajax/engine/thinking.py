@@ -61,9 +61,11 @@ class ThoughtTracker:
         """The next token must be `<channel|>`: the thought reached its budget."""
         return self.in_thought and self.budget is not None and self.count >= self.budget
 
-    def safe_to_look_ahead(self) -> bool:
-        """No token sampled in the next two steps can need forcing, whatever the first of them is: the greedy
-        lookahead step (sampled on the device before the host sees the step before it) may run."""
+    def safe_to_look_ahead(self, n: int = 2) -> bool:
+        """No token of the next n (n >= 2) can need forcing, whatever they are: greedy lookahead steps (sampled on
+        the device before the host sees the tokens before them) may sample them. The first of them is the one whose
+        forcing was already decided (the step on the device). In a thought of c tokens, the j-th is forced when
+        c + j - 1 reaches the budget; outside one, a thought opened by the first has j - 2 tokens at the j-th."""
         if self.budget is None:
             return True
-        return self.count + 1 < self.budget if self.in_thought else self.budget > 0
+        return self.count + n - 1 < self.budget if self.in_thought else n - 2 < self.budget

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=_positive, default=16 << 20,
                    help="largest request body accepted (default 16 MiB); a larger one gets HTTP 413 unread")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-scheduler-steps", type=_positive, default=None,
+                   help="greedy decode steps one device program may run once every sequence is decoding (default "
+                        "8; 1 = one step a program: tokens stream one by one, a new request waits at most one step)")
     p.add_argument("--default-thinking-token-budget", type=_nonnegative, default=None,
                    help="thinking tokens allowed when a request sets no thinking_token_budget (then the end of "
                         "thought is forced); without it a constrained answer still gets half of max_tokens")

@@ -133,6 +133,34 @@ def test_thinking_token_budget_forces_the_end_of_thought(llm, budget):
     assert json.loads(out.content)["days"] in range(1, 10)
 
 
+def test_thinking_budget_with_greedy_decode_steps(ckpt, llm):
+    """Greedy decoding in programs of several decode steps (num_scheduler_steps, the default 8) never runs past a
+    thinking budget: the end of thought is forced at exactly the budget, and the tokens are those of one step a
+    program; LLM(num_scheduler_steps=...) reaches the engine and a bad value is refused."""
+    import dataclasses
+    tok = llm.tokenizer
+    eng = llm.engine
+    assert eng.config.num_scheduler_steps == 8
+    prompt = tok.encode("<|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n")
+    close = tok.piece_to_id("<channel|>")
+    outs = {}
+    for steps in (8, 1):
+        eng.config = dataclasses.replace(eng.config, num_scheduler_steps=steps)
+        m0 = eng.stats_counters["multi_steps"]
+        for budget in (3, 11):
+            p = gemmajax.SamplingParams(max_tokens=40, temperature=0.0, thinking_token_budget=budget,
+                                        ignore_eos=True)
+            ids = llm.generate(prompt, p)[0].token_ids
+            assert close not in ids[:budget] and ids[budget] == close, (steps, budget, ids)
+            outs[steps, budget] = ids
+        assert (eng.stats_counters["multi_steps"] > m0) == (steps > 1)
+    eng.config = dataclasses.replace(eng.config, num_scheduler_steps=8)
+    assert outs[8, 3] == outs[1, 3] and outs[8, 11] == outs[1, 11]
+    assert _llm(ckpt, num_scheduler_steps=3).engine.config.num_scheduler_steps == 3
+    with pytest.raises(ValueError, match="num_scheduler_steps must be an int >= 1.*got 0"):
+        _llm(ckpt, num_scheduler_steps=0)
+
+
 def test_thinking_budget_without_a_grammar(llm):
     """A prompt that ends inside an open thought (no grammar at all): the budget alone closes it."""
     tok = llm.tokenizer

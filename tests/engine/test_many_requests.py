@@ -108,9 +108,10 @@ def test_hundreds_of_mixed_requests(llm, gemma4_tokenizer):
     eng = llm.engine
     prompts, params = _requests(gemma4_tokenizer)
     eng.config = dataclasses.replace(eng.config, async_scheduling=True)
-    la0 = eng.stats_counters["lookahead_steps"]
+    la0, ms0 = eng.stats_counters["lookahead_steps"], eng.stats_counters["multi_steps"]
     outs = llm.generate(prompts, params)
     assert eng.stats_counters["lookahead_steps"] > la0  # the async path ran
+    assert eng.config.num_scheduler_steps > 1 and eng.stats_counters["multi_steps"] > ms0   # with programs of steps
     assert not eng.has_unfinished()
     bm = eng.block_manager
     for g in bm.groups:
@@ -255,20 +256,30 @@ def test_default_buckets_follow_the_backend(llm):
     assert eng.t_buckets == (16, 24, 32, 48, 64) and eng.s_buckets == (1, 2, 4, 8)
 
 
-def test_precompile_covers_every_step_shape(llm):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_precompile_covers_every_step_shape(llm, steps):
     """After `precompile()`, serving a mix of prompt lengths, batch sizes and sampling compiles no model step, and
-    the padding steps it ran wrote nothing (greedy outputs still equal the cache-free reference)."""
+    the padding steps it ran wrote nothing (greedy outputs still equal the cache-free reference). With
+    num_scheduler_steps > 1 the decode-only greedy shapes are the decode-steps program's."""
     from gemmajax.engine.llm_engine import EngineConfig, LLMEngine
-    from gemmajax.engine.runner import compiled_step
+    from gemmajax.engine.runner import compiled_decode_steps, compiled_step
     eng = LLMEngine(llm.config, llm.model.weights, llm.tokenizer, EngineConfig(
-        max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, page_size=8, kv_dtype="float32",
-        kv_cache_memory=3 << 20, token_buckets=(16, 32), seq_buckets=(2, 8)))  # a spec of its own: cold caches
+        max_model_len=64 + 8 * steps, max_num_seqs=8, max_num_batched_tokens=32, page_size=8, kv_dtype="float32",
+        kv_cache_memory=3 << 20, token_buckets=(16, 32), seq_buckets=(2, 8),  # a spec of its own: cold caches
+        num_scheduler_steps=steps))
     assert eng.step_shapes() == [(2, 2, True), (8, 8, True), (16, 2, False), (16, 8, False), (32, 2, False),
                                  (32, 8, False)]
     greedy_fn, logits_fn = compiled_step(eng.spec, True), compiled_step(eng.spec, False)
-    assert greedy_fn._cache_size() == logits_fn._cache_size() == 0
+    multi_fn = compiled_decode_steps(eng.spec, steps)
+    # (greedy steps, decode-steps programs): the 2 decode-only shapes twice each, with host token ids and with a
+    # lookahead's (on the device)
+    compiled = (8, 0) if steps == 1 else (4, 4)
+
+    def sizes():
+        return greedy_fn._cache_size(), multi_fn._cache_size(), logits_fn._cache_size()
+    assert sizes() == (0, 0, 0)
     eng.precompile()
-    assert greedy_fn._cache_size() == logits_fn._cache_size() == 6
+    assert sizes() == (*compiled, 6)
     rng = np.random.default_rng(3)
     prompts = [list(map(int, rng.integers(3, 512, size=n))) for n in (1, 5, 17, 30, 3, 9, 24, 2, 12, 40)]
     params = [SamplingParams(max_tokens=10, ignore_eos=True, **({"temperature": 0.7, "seed": i} if i % 3 == 2
@@ -281,6 +292,16 @@ def test_precompile_covers_every_step_shape(llm):
             if o.finished:
                 done[o.request_id] = o
     assert len(done) == len(prompts)
-    assert greedy_fn._cache_size() == logits_fn._cache_size() == 6
+    assert sizes() == (*compiled, 6)
+    for i in (1, 7):   # greedy alone: programs of several decode steps (steps > 1)
+        eng.add_request(f"g{i}", prompts[i], SamplingParams(max_tokens=12, ignore_eos=True))
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert sizes() == (*compiled, 6)
+    assert (eng.stats_counters["multi_steps"] > 0) == (steps > 1)
+    for i in (1, 7):
+        assert done[f"g{i}"].token_ids == cache_free_greedy(llm.model, prompts[i], 12), i
     for i in (0, 3, 6):
         assert done[f"p{i}"].token_ids == cache_free_greedy(llm.model, prompts[i], 10), i

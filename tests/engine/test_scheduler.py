@@ -363,6 +363,131 @@ def test_lookahead_only_in_the_steady_decode_state():
     assert sched.schedule_lookahead([s for s in out.scheduled if s.seq is c]) is None  # d is running, not in it
 
 
+def decode_steps(model, entries, k):
+    """A decode-steps program of k steps on the fake model (runner.model_decode_steps): each sequence's step i
+    writes the K/V of its token at position num_computed_tokens + i (its predecessor's sample from step i - 1),
+    checks what that query reads, and samples the next token from the history so far. Returns seq_id -> k tokens
+    (the scheduler's `steps` list)."""
+    bm, sampled = model.bm, {}
+    for seq, n in entries:
+        assert n == 1 and seq.num_computed_tokens == seq.num_tokens - 1, seq
+        hist = list(seq.token_ids)
+        for q in range(seq.num_computed_tokens, seq.num_computed_tokens + k):
+            for g, spec in enumerate(bm.groups):
+                page = seq.page_tables[g][q // spec.page_size]
+                assert page != 0, f"{seq}: decode step at position {q} has no page in group {spec.name}"
+                assert bm.ref_count(g, page) == 1, f"{seq}: writes into shared page {page}"
+                model.store[g][page, q % spec.page_size] = hist[q]
+                for j in range(0 if spec.window is None else max(0, q - spec.window + 1), q + 1):
+                    page = seq.page_tables[g][j // spec.page_size]
+                    assert page != 0 and model.store[g][page, j % spec.page_size] == hist[j], (
+                        f"{seq}: query {q} reads a wrong key at {j} in group {spec.name}")
+            hist.append(next_token(hist))
+        sampled[seq.seq_id] = hist[seq.num_tokens:]
+    return sampled
+
+
+def run_with_decode_steps(sched, model, k_max, max_iters=5000):
+    """The engine's async loop with decode-steps programs: while a program of prev_steps steps is 'on the device'
+    (its tokens not appended yet), schedule_ahead plans the next one, up to k_max steps, its pages allocated
+    ahead; it runs after prev's update (the device runs them in order), on the sequences still running. Returns
+    the number of steps of each program planned ahead."""
+    pending, iters, planned = None, 0, []
+    while pending is not None or sched.has_unfinished():
+        cur, cur_steps = pending if pending is not None else (sched.schedule().scheduled, 1)
+        pending = sched.schedule_ahead(cur, cur_steps, k_max)
+        if pending is not None:
+            assert 1 <= pending[1] <= k_max
+            planned.append(pending[1])
+        live = [s for s in cur if s.seq.status == SequenceStatus.RUNNING]
+        sampled = decode_steps(model, live, cur_steps) if cur_steps > 1 else \
+            model.step(SchedulerOutput(live, [], []))
+        sched.update_after_step(cur, sampled, steps=cur_steps)
+        assert_refcounts(sched.block_manager, sched.running + list(sched.waiting))
+        iters += 1
+        assert iters < max_iters, "no progress"
+    return planned
+
+
+def _eos_workload(seed, max_model_len):
+    """workload(seed), every third request stopping on EOS (id 0, about 1 token in 50), lengths capped so that
+    some requests end at max_model_len."""
+    reqs = []
+    for i, (rid, prompt, sp) in enumerate(workload(seed)):
+        reqs.append((rid, prompt, SamplingParams(max_tokens=sp.max_tokens + 20, ignore_eos=i % 3 != 0)))
+    return [Sequence(rid, p, sp) for rid, p, sp in reqs], {"max_model_len": max_model_len}
+
+
+@pytest.mark.parametrize("pages, k_max, max_model_len, seed", [((1000, 1000), 8, 80, 0), ((1000, 1000), 3, 48, 1),
+                                                                ((19, 13), 8, 80, 2), ((19, 13), 5, 48, 3)])
+def test_decode_steps_change_nothing(pages, k_max, max_model_len, seed):
+    """Programs of several decode steps planned ahead give every request the tokens and finish reason of plain
+    one-step scheduling: stops on EOS inside a program drop the tokens after it, no program runs past
+    max_tokens or max_model_len, prefix-cache hits and preemption (tight pools) included; pages all return."""
+    seqs, cfg = _eos_workload(seed, max_model_len)
+    sched, bm = make(*pages, **cfg)
+    for s in seqs:
+        sched.add(s)
+    run_to_completion(sched, FakeModel(bm))
+    reference = {s.request_id: (s.output_token_ids, s.finish_reason) for s in seqs}
+    reasons = [r for _, r in reference.values()]
+    # (a request longer than a tight pool can hold ends "error" either way)
+    assert {"stop", "length"} <= set(reasons) and reasons.count("error") <= 3, reasons
+    assert max_model_len == 80 or any(len(s.token_ids) == max_model_len for s in seqs)  # some end there
+
+    seqs, cfg = _eos_workload(seed, max_model_len)
+    sched, bm = make(*pages, **cfg)
+    for s in seqs:
+        sched.add(s)
+    planned = run_with_decode_steps(sched, FakeModel(bm), k_max)
+    assert {s.request_id: (s.output_token_ids, s.finish_reason) for s in seqs} == reference
+    assert max(planned) == k_max and len(set(planned)) > 1, planned   # full programs and shortened ones
+    if pages == (19, 13):
+        assert sched.num_preemptions > 0
+    for g in range(2):
+        assert bm.num_free_pages(g) == bm.num_usable_pages(g)
+
+
+def test_schedule_ahead_plans_steps_within_every_limit():
+    """k is the most steps no sequence goes past max_tokens / max_model_len in (after prev's own tokens), capped at
+    max_steps; each sequence gets pages through its k-th position; out of pages for k steps it plans one."""
+    sched, _ = make(1000, 1000, max_num_seqs=2, max_model_len=40)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    for s in (a, b):
+        sched.add(s)
+    out = sched.schedule()
+    # prev samples 1 token: b then has 5 to go, a 19; k = min(8, 5)
+    entries, k = sched.schedule_ahead(out.scheduled, 1, 8)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in entries] == [("a", 1), ("b", 1)] and k == 5
+    # a computes positions 3..7 (pages of 4: 2 pages), b positions 5..9 (3 pages)
+    assert [len(a.page_tables[0]), len(b.page_tables[0])] == [2, 3]
+    sched.update_after_step(out, {a.seq_id: 10, b.seq_id: 11})
+    with pytest.raises(ValueError, match="6 new tokens"):
+        sched.update_after_step(entries, {a.seq_id: [1] * 6, b.seq_id: [1] * 5}, steps=5)
+    # prev of 5 steps in flight: b stops by length within them, a (6 of 20 then) goes on at position 3 + 1 + 5 - 1
+    entries2, k2 = sched.schedule_ahead(entries, 5, 8)
+    assert [s.seq.request_id for s in entries2] == ["a"] and k2 == 8
+    assert len(a.page_tables[0]) == -(-(3 + 1 + 5 - 1 + 8) // 4)
+    # max_model_len caps k too: 40 - (num_tokens + prev_steps)
+    c = Sequence("c", list(range(30)), SamplingParams(max_tokens=100, ignore_eos=True))
+    sched2, _ = make(1000, 1000, max_model_len=40)
+    sched2.add(c)
+    out = sched2.schedule()
+    assert sched2.schedule_ahead(out.scheduled, 1, 16)[1] == 40 - 31
+    # a pool without pages for k = 4 steps of both: k falls back to 1 (what the first got stays allocated)
+    sched3, bm3 = make(4, 1000, max_model_len=40)   # 3 usable full pages of 4 positions
+    d, e = (Sequence(r, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for r in "de")
+    sched3.add(d)
+    sched3.add(e)
+    out = sched3.schedule()
+    assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [1, 1, 1]
+    assert sched3.schedule_ahead(out.scheduled, 1, 8)[1] == 1
+    assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [2, 1, 0]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        sched3.schedule_ahead(out.scheduled, 1, 0)
+
+
 def _plan_sizes(window, page, seqs, batched, max_len):
     """Pages per group as the engine's plan_pages gives them at full budget, from its own helpers."""
     cfg = types.SimpleNamespace(layers=[types.SimpleNamespace(kind=SLIDING, window=window),

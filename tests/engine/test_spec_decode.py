@@ -162,7 +162,9 @@ def test_ngram_greedy_equals_plain_decoding(model, gemma4_tokenizer, prefix_cach
     prompts = _prompts(1, 7)
     params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in (20, 9, 30, 14, 25, 3, 18)]
     spec = SpecConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
-    want, plain, _ = _run(model, gemma4_tokenizer, prompts, params, enable_prefix_caching=prefix_caching)
+    # the plain baseline one token a step (num_scheduler_steps=1), so its step count is one per token
+    want, plain, _ = _run(model, gemma4_tokenizer, prompts, params, enable_prefix_caching=prefix_caching,
+                          num_scheduler_steps=1)
     got, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec, enable_prefix_caching=prefix_caching)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == ["length"] * 7
@@ -286,7 +288,7 @@ def test_agreeing_assistant_is_accepted(tmp_path, gemma4_tokenizer):
     rng = np.random.default_rng(0)
     prompts = [[SINKS[i % 2]] + rng.integers(max(SINKS) + 1, 512, size=9).tolist() for i in range(3)]
     params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
-    want, plain, _ = _run(model, gemma4_tokenizer, prompts, params)
+    want, plain, _ = _run(model, gemma4_tokenizer, prompts, params, num_scheduler_steps=1)   # a token a step
     got, eng, accepts = _run(model, gemma4_tokenizer, prompts, params, spec)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     st = eng.spec_decode_stats()

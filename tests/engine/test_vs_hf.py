@@ -92,7 +92,10 @@ def draw_case(seed: int, text: dict | None = None) -> Case:
                                 for _ in range(k - 1)]
         rng.shuffle(prompts)
     max_tokens = [int(rng.integers(8, 17)) for _ in prompts]
-    return Case(seed, text, engine, "tight" if rng.random() < 0.35 else "ample", prompts, max_tokens)
+    kv_pool = "tight" if rng.random() < 0.35 else "ample"
+    # drawn apart, so the draws above (and each seed's case) stay what they were before it existed
+    engine["num_scheduler_steps"] = int(np.random.default_rng(2000 + seed).choice([1, 2, 3, 5, 8]))
+    return Case(seed, text, engine, kv_pool, prompts, max_tokens)
 
 
 def _no_prefill_slicing(text: dict) -> dict:
@@ -243,6 +246,7 @@ def _result(seed: int, tok, which: str = "random") -> tuple[tuple[str, ...], str
     stats = dict(family=t["family"], preempted=eng.scheduler.num_preemptions > 0,
                  prefix_hits=eng.scheduler.num_prefix_cache_hit_tokens > 0,
                  lookahead=eng.stats_counters["lookahead_steps"] > 0, sync=not case.engine["async_scheduling"],
+                 multi_steps=eng.stats_counters["multi_steps"] > 0,
                  chunked=max(len(p) for p in case.prompts) > case.engine["max_num_batched_tokens"], ties=ties,
                  shared=bool(t.get("num_kv_shared_layers")), moe=bool(t.get("enable_moe_block")),
                  ple=bool(t.get("hidden_size_per_layer_input")), k_eq_v=bool(t.get("attention_k_eq_v")),
@@ -367,8 +371,8 @@ def test_fast_seeds_cover_the_space(gemma4_tokenizer):
     nothing). Reuses the runs of test_greedy_equals_hf_generate."""
     stats = [_result(s, gemma4_tokenizer)[2] for s in FAST_SEEDS]
     assert {s["family"] for s in stats} == {"gemma4", "gemma4_unified", "gemma3"}
-    for key in ("preempted", "prefix_hits", "lookahead", "sync", "chunked", "shared", "moe", "ple", "k_eq_v",
-                "double_wide"):
+    for key in ("preempted", "prefix_hits", "lookahead", "multi_steps", "sync", "chunked", "shared", "moe", "ple",
+                "k_eq_v", "double_wide"):
         assert any(s[key] for s in stats), (key, stats)
     assert sum(s["ties"] for s in stats) <= 2, stats
 

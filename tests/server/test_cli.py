@@ -30,12 +30,14 @@ def test_serve_flags_and_defaults() -> None:
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (8192, 64, None)
     assert args.enable_prefix_caching is True and args.ckpt is None and args.served_model_name is None
     assert args.precompile is False and args.max_request_bytes == 16 << 20 and args.max_queue == 256
+    assert args.num_scheduler_steps is None   # the engine's default
     args = cli.build_parser().parse_args(
         ["serve", "--ckpt", "m.gguf", "--quant", "w8a8+emb8", "--kv-dtype", "fp8_e5m2", "--port", "9000",
          "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--served-model-name", "g", "--api-key", "k", "--max-queue", "3", "--no-enable-prefix-caching",
          "--precompile", "--max-request-bytes", "1000", "--default-thinking-token-budget", "0",
-         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--num-scheduler-steps", "4"])
+    assert args.num_scheduler_steps == 4
     assert args.precompile is True and args.max_request_bytes == 1000
     assert args.default_thinking_token_budget == 0
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
@@ -51,7 +53,8 @@ def test_serve_flags_and_defaults() -> None:
                                   ["serve", "--default-thinking-token-budget", "-1"], ["aot", "--model", "7b", "--chip", "v5e"],
                                   ["aot", "--model", "e2b", "--chip", "v4"], ["quantize", "--ckpt", "x"],
                                   ["generate"], ["serve", "--max-num-seqs", "0"],
-                                  ["serve", "--max-request-bytes", "0"], ["serve", "--max-queue", "-1"]])
+                                  ["serve", "--max-request-bytes", "0"], ["serve", "--max-queue", "-1"],
+                                  ["serve", "--num-scheduler-steps", "0"]])
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -193,3 +196,16 @@ def test_aot_subcommand_has_every_flag_of_gemmajax_aot() -> None:
         return {o: (a.default, tuple(a.choices) if a.choices else None, a.required) for a in p._actions
                 for o in a.option_strings if o.startswith("--") and o != "--help"}
     assert flags(ours) == flags(ref)
+
+
+@pytest.mark.parametrize("flag, want", [([], {}), (["--num-scheduler-steps", "2"], {"num_scheduler_steps": 2})])
+def test_serve_flags_reach_the_llm(flag: list[str], want: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gemmajax serve`'s engine flags become the LLM's arguments (async_engine._llm_from_args); an unset
+    --num-scheduler-steps leaves the engine's default."""
+    from gemmajax.engine import async_engine, llm
+    seen = {}
+    monkeypatch.setattr(llm, "LLM", lambda ckpt, **kw: seen.update(kw, ckpt=ckpt) or "llm")
+    args = cli.build_parser().parse_args(["serve", "--ckpt", "m.gguf", "--max-num-seqs", "3", *flag])
+    assert async_engine._llm_from_args(args) == "llm"
+    assert seen["ckpt"] == "m.gguf" and seen["max_num_seqs"] == 3
+    assert {k: seen[k] for k in ("num_scheduler_steps",) if k in seen} == want
