@@ -44,6 +44,7 @@ from gemmajax.engine.runner import (  # noqa: E402
     abstract_caches,
     bucket,
     build_step_inputs,
+    compiled_decode_steps,
     compiled_step,
     kv_groups,
     pow2_buckets,
@@ -120,6 +121,9 @@ class AotRequest:
     attn_impl: str = "pallas"            # "pallas" (TPU kernel) | "ref" (the jnp path); pallas falls back to ref
     probe: bool = True                   # compile every step with a small cache first to measure temporaries
     steps: tuple[str, ...] = STEPS       # which of STEPS (+ SPEC_STEPS with a drafter) to compile
+    # decode-greedy as the engine runs it: a program of this many decode steps (runner.model_decode_steps; the
+    # engine's num_scheduler_steps), or the one-step program with 1 (and always with a drafter)
+    num_scheduler_steps: int = 8
     # Speculative decoding with a gemma4_assistant drafter (model.assistant.AssistantConfig; one chip only): every
     # step then also returns the hidden state (the engine's hidden=True programs), the verify steps and the drafter
     # are compiled, the drafter's weights join the budget; the projection assumes `assumed_acceptance` per draft.
@@ -169,6 +173,7 @@ class StepCompile(_CompiledMemory):
     kv_bytes: int             # KV pages one chip holds (all of them on 1x1)
     decode_only: bool = False  # the metas' decode_only flag (the attention's all-decode form)
     greedy: bool = False      # the greedy variant (tokens [S] out) rather than logits [S, V]
+    decode_steps: int = 0     # a program of this many decode steps (tokens [steps, S] and [S] out); 0: one step
     weight_bytes: int = 0     # of argument_bytes, the weights the program takes (one chip's)
     argument_bytes: int = 0
     output_bytes: int = 0
@@ -624,6 +629,7 @@ class Program:
     greedy: bool
     rows: int | None = None   # R, the padded logits rows (None: S, one per sequence; verify: every verified token)
     hidden: bool = False      # also returns the final-normed hidden of the rows (every program, with a drafter)
+    decode_steps: int = 0     # a decode-steps program of this many steps (runner.compiled_decode_steps); 0: one step
 
 
 def programs(req: AotRequest) -> dict[str, Program]:
@@ -636,7 +642,9 @@ def programs(req: AotRequest) -> dict[str, Program]:
     mixed = max((x for x in shapes if not x[2]), key=lambda x: x[:2])
     h = req.draft is not None
     out = {"decode": Program("decode", *dec, greedy=False, hidden=h),
-           "decode-greedy": Program("decode-greedy", *dec, greedy=True, hidden=h),
+           "decode-greedy": Program("decode-greedy", *dec, greedy=True, hidden=h,
+                                    decode_steps=req.num_scheduler_steps if req.num_scheduler_steps > 1 and not h
+                                    else 0),
            "prefill": Program("prefill", *mixed, greedy=False, hidden=h),
            "prefill-greedy": Program("prefill-greedy", *mixed, greedy=True, hidden=h)}
     if h:   # every sequence verifies k drafts: T = R = S (1 + k) tokens, padded as LLMEngine._dispatch pads them
@@ -664,8 +672,12 @@ def compile_step(target: Target, weights: gemma.Weights, spec: RunnerSpec, prog:
     kv = abstract_caches(spec, None if spec.plan is not None else target.sharding)
     res = StepCompile(step=prog.step, tokens=prog.tokens, seqs=prog.seqs, kv_pages=tuple(spec.num_pages),
                       kv_bytes=chip_bytes(kv), decode_only=prog.decode_only, greedy=prog.greedy,
-                      weight_bytes=chip_bytes(weights), attn_impl=spec.attn_impl)
+                      weight_bytes=chip_bytes(weights), attn_impl=spec.attn_impl, decode_steps=prog.decode_steps)
     inp = target.abstract(program_inputs(spec, prog))
+    if prog.decode_steps:
+        steps = target.abstract(np.int32(prog.decode_steps))
+        return _compile_into(res, lambda: compiled_decode_steps(spec, prog.decode_steps).lower(weights, kv, inp, steps),
+                             target)
     return _compile_into(res, lambda: compiled_step(spec, prog.greedy, prog.hidden).lower(weights, kv, inp), target)
 
 
@@ -889,7 +901,7 @@ def analyze(req: AotRequest, log=None) -> AotResult:
     cfg = req.cfg
     if req.chip not in CHIPS:
         raise ValueError(f"chip {req.chip!r} is not supported; expected one of {sorted(CHIPS)}")
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_scheduler_steps"):
         if getattr(req, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(req, name)}")
     if req.max_model_len > cfg.max_position_embeddings:
@@ -1324,6 +1336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a gemma4_assistant drafter directory (its config.json only): compile the verify step and the "
                         "drafter, count its weights, project speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-scheduler-steps", type=int, default=8,
+                   help="decode steps of the engine's decode-steps program (decode-greedy compiles it; 1: one step)")
     p.add_argument("--assumed-acceptance", type=float, default=0.7,
                    help="per-draft acceptance rate the speculative projection ASSUMES (not measured)")
     p.add_argument("--no-mm", action="store_true",
@@ -1363,6 +1377,7 @@ def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None, 
         page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,
         proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"), draft=draft,
         num_speculative_tokens=get("num_speculative_tokens", 4), assumed_acceptance=get("assumed_acceptance", 0.7),
+        num_scheduler_steps=get("num_scheduler_steps", 8),
         towers=towers, mm=not get("no_mm", False))
 
 

@@ -189,6 +189,11 @@ def test_step_shapes_are_the_engines(monkeypatch, max_num_seqs, max_num_batched_
         assert (p.tokens, p.seqs, p.decode_only) == want[name.removesuffix("-greedy")], name
         assert p.greedy == name.endswith("-greedy")
         assert (p.tokens, p.seqs, p.decode_only) in shapes
+        # the engine's decode-only greedy step is its decode-steps program (num_scheduler_steps, default 8)
+        assert p.decode_steps == (eng.config.num_scheduler_steps if name == "decode-greedy" else 0), name
+    one = aot.programs(aot.AotRequest(cfg=cfg, max_model_len=256, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens, num_scheduler_steps=1))
+    assert not any(p.decode_steps for p in one.values())
     # the padding inputs carry the program's decode_only flag on every group, as LLMEngine.precompile sets it
     spec = aot._spec(aot.AotRequest(cfg=cfg, max_model_len=256), (2, 2), "ref")
     for p in progs.values():
@@ -284,9 +289,12 @@ def test_tiny_model_fits_v5e_with_pallas_and_proof_compile():
     assert got == [("decode", 8, 8, True, False), ("decode-greedy", 8, 8, True, True),
                    ("prefill", 64, 8, False, False), ("prefill-greedy", 64, 8, False, True)]
     by = {c["step"]: c for c in r["compiles"]}
-    for kind in ("decode", "prefill"):  # the greedy variant returns tokens int32 [8] instead of logits f32 [8, 1024]
-        saved = by[kind]["output_bytes"] - by[kind + "-greedy"]["output_bytes"]
-        assert 8 * 1024 * 4 - 4096 <= saved < 8 * 1024 * 4, (kind, saved)  # the TPU pads [8] int32 to a 512-byte tile
+    # decode-greedy is the engine's program of 8 decode steps (num_scheduler_steps): tokens [8, 8] and [8] out
+    assert [by[k]["decode_steps"] for k in aot.STEPS] == [0, 8, 0, 0]
+    for kind in ("decode", "prefill"):  # the greedy variant returns tokens int32 [8] ([8, 8] + [8] for decode)
+        saved = by[kind]["output_bytes"] - by[kind + "-greedy"]["output_bytes"]  # instead of logits f32 [8, 1024]
+        # the TPU pads [8] int32 to a 512-byte tile, [8, 8] to a 4 KiB one
+        assert 8 * 1024 * 4 - (8192 if kind == "decode" else 4096) <= saved < 8 * 1024 * 4, (kind, saved)
     # the TPU kernels are in the program: one attention call per layer (4), the int8 matmuls of every projection
     assert all(c["pallas_calls"] > 4 + 4 * 5 for c in r["compiles"])
     proof = r["proof"]
@@ -525,6 +533,7 @@ def test_verify_programs_are_the_engines():
                          draft=tiny_drafter(), kv_dtype="bf16")
     progs = aot.programs(req)
     assert all(p.hidden for p in progs.values()) and set(progs) == set(aot.STEPS + aot.SPEC_STEPS)
+    assert not any(p.decode_steps for p in progs.values())   # a drafter's engine runs one step a program
     v = progs["verify-greedy"]
     assert (v.tokens, v.seqs, v.rows, v.decode_only, v.greedy) == (64, 8, 64, False, True)
     inp = aot.program_inputs(aot._spec(req, (2, 2), "ref"), v)

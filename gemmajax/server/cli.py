@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a gemma4_assistant drafter directory (its config.json only): compile the verify step and "
                         "the drafter, count its weights, project speculative decoding")
     p.add_argument("--num-speculative-tokens", type=_positive, default=4)
+    p.add_argument("--num-scheduler-steps", type=int, default=8,
+                   help="decode steps of the engine's decode-steps program (decode-greedy compiles it; 1: one step)")
     p.add_argument("--assumed-acceptance", type=float, default=0.7,
                    help="per-draft acceptance rate the speculative projection ASSUMES (not measured)")
     p.add_argument("--margin-mib", type=int, default=256, help="HBM kept free besides what the compiler counts")
