@@ -68,6 +68,7 @@ fast XLA:CPU form (a memory format here).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -349,11 +350,16 @@ def child_gemmajax_rest(mode: str, prompts, args) -> dict:
         return call
     runner.compiled_step = capturing
     llm, run = gemmajax_runner(mode, args)
+    # one step a program, so a generate's decode steps are `compiled_step` calls (their program is what this times)
+    llm.engine.config = dataclasses.replace(llm.engine.config, num_scheduler_steps=1)
     eng = llm.engine.runner
 
     def bare_step():  # compiles; the last call of a generate of --new-tokens is a decode step of s rows
         run(prompts[:s], args.new_tokens)
         f, weights, inp = captured["call"]
+        if not (inp.metas[0].decode_only and inp.token_ids.shape[0] == s):
+            raise RuntimeError(f"the last step captured is not a decode step of {s} rows: "
+                               f"{inp.token_ids.shape[0]} tokens, decode_only={inp.metas[0].decode_only}")
 
         def steps(n):
             kv, out = eng.kv, None

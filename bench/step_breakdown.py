@@ -21,6 +21,7 @@ Constants cost 20x the compile time and 1.9 GB of memory for 1 % of the step: th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def child(mode: str, streams: int, variant: str) -> None:
     path = default_model_path()
     llm = gemmajax.LLM(path, quant=mode, dtype="bfloat16", kv_dtype="bf16", max_model_len=512,
                        max_num_seqs=16, kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    # one step a program in every variant: what this script takes apart is one step (and close_over_weights wraps
+    # compiled_step, which a decode-steps program does not call)
+    llm.engine.config = dataclasses.replace(llm.engine.config, num_scheduler_steps=1)
     if variant == "constants":
         close_over_weights(llm.engine.runner.weights)   # the tree the steps take (runner.stack_layers)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

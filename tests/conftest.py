@@ -118,5 +118,6 @@ def _release_compiled_programs():
 
     from gemmajax.engine import runner
     runner._compiled_step.cache_clear()
+    runner.compiled_decode_steps.cache_clear()
     jax.clear_caches()
     gc.collect()
