@@ -1043,6 +1043,7 @@ def analyze(req: AotRequest, log=None) -> AotResult:
         nonlocal impl
         prog = progs[step]
         say(f"compiling {step} (T={prog.tokens}, S={prog.seqs}{', decode-only' if prog.decode_only else ''}, "
+            f"{f'{prog.decode_steps} decode steps, ' if prog.decode_steps else ''}"
             f"{'tokens' if prog.greedy else 'logits'} out, attention {impl}, KV pages {pages}) for "
             f"{req.chip}:{req.topology}")
         c = compile_step(target, weights, _spec(req, pages, impl, tplan), prog)
@@ -1266,7 +1267,8 @@ def format_report(r: AotResult) -> str:
     for c in r.compiles:
         if c.ok:
             lines.append(f"  {c.step:<15} T={c.tokens} S={c.seqs}{' decode-only' if c.decode_only else ''}"
-                         f"{' (k draft steps)' if c.step == 'draft' else ''}: "
+                         f"{' (k draft steps)' if c.step == 'draft' else ''}"
+                         f"{f' ({c.decode_steps} decode steps)' if c.decode_steps else ''}: "
                          f"{c.pallas_calls} Pallas kernel calls, "
                          f"temporaries {_g(c.temp_bytes)}{per}, code "
                          f"{c.code_bytes / MiB:.1f} MiB, step inputs+outputs "

@@ -6,6 +6,7 @@ Stop strings are checked here, on the detokenized text, so a request stops (and 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -406,8 +407,10 @@ class LLMEngine:
         return k
 
     def _decode_steps_program(self) -> bool:
-        """Plain-greedy decode-only steps run as `runner.model_decode_steps` (one program, 1 or more steps)."""
-        return self.config.num_scheduler_steps > 1 and self.drafter is None
+        """Plain-greedy decode-only steps run as `runner.model_decode_steps` (one program, 1 or more steps): only
+        where programs of several steps can run (async scheduling, no speculative decoding)."""
+        return self.config.num_scheduler_steps > 1 and self.config.async_scheduling and self.spec_config is None \
+            and self.drafter is None
 
     def _dispatch(self, scheduled: list, prev: _Pending | None = None, steps: int = 1) -> _Pending:
         """Build the step's inputs and start it on the device (nothing here waits for the device).
@@ -533,6 +536,7 @@ class LLMEngine:
             new = sampled[seq.seq_id]
             new = new[:len(seq.output_token_ids) - st.sent_tokens] if isinstance(new, list) else [new]
             self.stats_counters["generation_tokens"] += len(new)
+            thought0 = copy.copy(st.thought) if st.thought is not None and len(new) > 1 else None
             for tok in new:   # several with accepted drafts or decode steps (cut where the sequence stopped)
                 if st.thought is not None:
                     st.thought.advance(tok)
@@ -551,7 +555,17 @@ class LLMEngine:
                         self.scheduler.finish(seq, "stop")   # the grammar admits nothing more
             if seq.seq_id in lp_rows:
                 st.logprobs.append(lp_rows[seq.seq_id])
-            outputs.append(self._emit(st))
+            appended = len(seq.output_token_ids)
+            out = self._emit(st)
+            cut = appended - len(seq.output_token_ids)   # tokens after a stop string, dropped by _emit
+            if cut > 0:   # count only what the output keeps (generation tokens, usage's reasoning tokens)
+                self.stats_counters["generation_tokens"] -= cut
+                if thought0 is not None:
+                    st.thought = thought0
+                    for tok in new[:len(new) - cut]:
+                        st.thought.advance(tok)
+                    out.num_reasoning_tokens = st.thought.total
+            outputs.append(out)
         outputs += self._flush_finished(exclude={o.request_id for o in outputs})
         return outputs
 

@@ -144,21 +144,51 @@ def test_thinking_budget_with_greedy_decode_steps(ckpt, llm):
     prompt = tok.encode("<|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n")
     close = tok.piece_to_id("<channel|>")
     outs = {}
-    for steps in (8, 1):
-        eng.config = dataclasses.replace(eng.config, num_scheduler_steps=steps)
-        m0 = eng.stats_counters["multi_steps"]
-        for budget in (3, 11):
-            p = gemmajax.SamplingParams(max_tokens=40, temperature=0.0, thinking_token_budget=budget,
-                                        ignore_eos=True)
-            ids = llm.generate(prompt, p)[0].token_ids
-            assert close not in ids[:budget] and ids[budget] == close, (steps, budget, ids)
-            outs[steps, budget] = ids
-        assert (eng.stats_counters["multi_steps"] > m0) == (steps > 1)
-    eng.config = dataclasses.replace(eng.config, num_scheduler_steps=8)
+    try:
+        for steps in (8, 1):
+            eng.config = dataclasses.replace(eng.config, num_scheduler_steps=steps)
+            m0 = eng.stats_counters["multi_steps"]
+            for budget in (3, 11):
+                p = gemmajax.SamplingParams(max_tokens=40, temperature=0.0, thinking_token_budget=budget,
+                                            ignore_eos=True)
+                ids = llm.generate(prompt, p)[0].token_ids
+                assert close not in ids[:budget] and ids[budget] == close, (steps, budget, ids)
+                outs[steps, budget] = ids
+            assert (eng.stats_counters["multi_steps"] > m0) == (steps > 1)
+    finally:
+        eng.config = dataclasses.replace(eng.config, num_scheduler_steps=8)
     assert outs[8, 3] == outs[1, 3] and outs[8, 11] == outs[1, 11]
     assert _llm(ckpt, num_scheduler_steps=3).engine.config.num_scheduler_steps == 3
     with pytest.raises(ValueError, match="num_scheduler_steps must be an int >= 1.*got 0"):
         _llm(ckpt, num_scheduler_steps=0)
+
+
+def test_stop_string_inside_a_program_counts_only_kept_tokens(llm):
+    """A stop string met inside a program of several decode steps drops the tokens after it: the output, the
+    engine's generation-token count and usage's reasoning tokens (the prompt ends inside a thought) count only the
+    kept ones, as a ThoughtTracker fed those tokens alone counts them."""
+    from gemmajax.engine.thinking import ThoughtTracker
+    tok, eng = llm.tokenizer, llm.engine
+    prompt = tok.encode("<|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n")
+    ids = llm.generate(prompt, gemmajax.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].token_ids
+    # the whole text through token j, first completed by token j, inside the second 8-step program (tokens 9-16)
+    j = 10
+    stop = tok.decode(ids[:j + 1])
+    assert len(stop) > len(tok.decode(ids[:j])), ids
+    g0, m0 = eng.stats_counters["generation_tokens"], eng.stats_counters["multi_steps"]
+    eng.add_request("stop-in-program", prompt, gemmajax.SamplingParams(max_tokens=24, temperature=0.0,
+                                                                          ignore_eos=True, stop=[stop]))
+    final = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            final = o if o.finished else final
+    assert eng.stats_counters["multi_steps"] > m0
+    assert final.finish_reason == "stop" and final.stop_reason == stop and final.token_ids == ids[:j + 1]
+    assert eng.stats_counters["generation_tokens"] - g0 == j + 1
+    want = ThoughtTracker.for_request(tok, prompt, None)
+    for t in final.token_ids:
+        want.advance(t)
+    assert final.num_reasoning_tokens == want.total > 0
 
 
 def test_thinking_budget_without_a_grammar(llm):

@@ -397,8 +397,12 @@ def run_with_decode_steps(sched, model, k_max, max_iters=5000):
         cur, cur_steps = pending if pending is not None else (sched.schedule().scheduled, 1)
         pending = sched.schedule_ahead(cur, cur_steps, k_max)
         if pending is not None:
-            assert 1 <= pending[1] <= k_max
-            planned.append(pending[1])
+            k = pending[1]
+            assert 1 <= k <= k_max
+            planned.append(k)
+            for seq, _ in pending[0]:   # no program samples past max_tokens or max_model_len
+                assert seq.num_output_tokens + cur_steps + k <= seq.params.max_tokens, (seq, cur_steps, k)
+                assert seq.num_tokens + cur_steps + k <= sched.config.max_model_len, (seq, cur_steps, k)
         live = [s for s in cur if s.seq.status == SequenceStatus.RUNNING]
         sampled = decode_steps(model, live, cur_steps) if cur_steps > 1 else \
             model.step(SchedulerOutput(live, [], []))
@@ -453,39 +457,43 @@ def test_schedule_ahead_plans_steps_within_every_limit():
     max_steps; each sequence gets pages through its k-th position; out of pages for k steps it plans one."""
     sched, _ = make(1000, 1000, max_num_seqs=2, max_model_len=40)
     a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
-    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=7, ignore_eos=True))
     for s in (a, b):
         sched.add(s)
     out = sched.schedule()
-    # prev samples 1 token: b then has 5 to go, a 19; k = min(8, 5)
+    # prev samples 1 token: b then has 6 to go, a 19; k = min(8, 6)
     entries, k = sched.schedule_ahead(out.scheduled, 1, 8)
-    assert [(s.seq.request_id, s.num_new_tokens) for s in entries] == [("a", 1), ("b", 1)] and k == 5
-    # a computes positions 3..7 (pages of 4: 2 pages), b positions 5..9 (3 pages)
-    assert [len(a.page_tables[0]), len(b.page_tables[0])] == [2, 3]
+    assert [(s.seq.request_id, s.num_new_tokens) for s in entries] == [("a", 1), ("b", 1)] and k == 6
+    # a computes positions 3..8 (pages of 4: 3 pages, 2 would end at 7), b positions 5..10 (3 pages)
+    assert [len(a.page_tables[0]), len(b.page_tables[0])] == [3, 3]
     sched.update_after_step(out, {a.seq_id: 10, b.seq_id: 11})
-    with pytest.raises(ValueError, match="6 new tokens"):
-        sched.update_after_step(entries, {a.seq_id: [1] * 6, b.seq_id: [1] * 5}, steps=5)
-    # prev of 5 steps in flight: b stops by length within them, a (6 of 20 then) goes on at position 3 + 1 + 5 - 1
-    entries2, k2 = sched.schedule_ahead(entries, 5, 8)
+    # prev of 6 steps in flight: b stops by length within them, a (7 of 20 then) goes on at position 3 + 1 + 6 - 1
+    # for 8 steps: positions up to 16, 5 pages (4 would end at 15)
+    entries2, k2 = sched.schedule_ahead(entries, 6, 8)
     assert [s.seq.request_id for s in entries2] == ["a"] and k2 == 8
-    assert len(a.page_tables[0]) == -(-(3 + 1 + 5 - 1 + 8) // 4)
+    assert len(a.page_tables[0]) == 5
     # max_model_len caps k too: 40 - (num_tokens + prev_steps)
     c = Sequence("c", list(range(30)), SamplingParams(max_tokens=100, ignore_eos=True))
     sched2, _ = make(1000, 1000, max_model_len=40)
     sched2.add(c)
     out = sched2.schedule()
     assert sched2.schedule_ahead(out.scheduled, 1, 16)[1] == 40 - 31
-    # a pool without pages for k = 4 steps of both: k falls back to 1 (what the first got stays allocated)
+    # a pool without pages for k = 3 steps of both: k falls back to 1 (what the first got stays allocated)
     sched3, bm3 = make(4, 1000, max_model_len=40)   # 3 usable full pages of 4 positions
     d, e = (Sequence(r, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for r in "de")
     sched3.add(d)
     sched3.add(e)
     out = sched3.schedule()
     assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [1, 1, 1]
-    assert sched3.schedule_ahead(out.scheduled, 1, 8)[1] == 1
+    ahead = sched3.schedule_ahead(out.scheduled, 1, 8)
+    assert ahead[1] == 1
     assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [2, 1, 0]
     with pytest.raises(ValueError, match="must be >= 1"):
         sched3.schedule_ahead(out.scheduled, 1, 0)
+    # more tokens than the step's decode steps (or a verification's drafts) is refused
+    sched3.update_after_step(out, {d.seq_id: 7, e.seq_id: 8})
+    with pytest.raises(ValueError, match="3 new tokens .* a step of 2 decode steps"):
+        sched3.update_after_step(ahead[0], {d.seq_id: [1] * 3, e.seq_id: [1] * 2}, steps=2)
 
 
 def _plan_sizes(window, page, seqs, batched, max_len):
