@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gemmajax.config import ModelConfig  # noqa: E402
+from gemmajax.engine.llm_engine import EngineConfig  # noqa: E402
 from gemmajax.engine.runner import (  # noqa: E402
     PagePlan,
     RunnerSpec,
@@ -123,7 +124,7 @@ class AotRequest:
     steps: tuple[str, ...] = STEPS       # which of STEPS (+ SPEC_STEPS with a drafter) to compile
     # decode-greedy as the engine runs it: a program of this many decode steps (runner.model_decode_steps; the
     # engine's num_scheduler_steps), or the one-step program with 1 (and always with a drafter)
-    num_scheduler_steps: int = 8
+    num_scheduler_steps: int = EngineConfig.num_scheduler_steps
     # Speculative decoding with a gemma4_assistant drafter (model.assistant.AssistantConfig; one chip only): every
     # step then also returns the hidden state (the engine's hidden=True programs), the verify steps and the drafter
     # are compiled, the drafter's weights join the budget; the projection assumes `assumed_acceptance` per draft.
@@ -1338,7 +1339,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a gemma4_assistant drafter directory (its config.json only): compile the verify step and the "
                         "drafter, count its weights, project speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--num-scheduler-steps", type=int, default=8,
+    p.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps,
                    help="decode steps of the engine's decode-steps program (decode-greedy compiles it; 1: one step)")
     p.add_argument("--assumed-acceptance", type=float, default=0.7,
                    help="per-draft acceptance rate the speculative projection ASSUMES (not measured)")
@@ -1379,7 +1380,7 @@ def request_from_args(args: argparse.Namespace, cfg: ModelConfig | None = None, 
         page_size=get("page_size", 32), margin_bytes=get("margin_mib", 256) * MiB,
         proj_context=get("proj_context", None), attn_impl=get("attn_impl", "pallas"), draft=draft,
         num_speculative_tokens=get("num_speculative_tokens", 4), assumed_acceptance=get("assumed_acceptance", 0.7),
-        num_scheduler_steps=get("num_scheduler_steps", 8),
+        num_scheduler_steps=get("num_scheduler_steps", EngineConfig.num_scheduler_steps),
         towers=towers, mm=not get("no_mm", False))
 
 

@@ -257,12 +257,11 @@ class LLMEngine:
         for i, (t_pad, s_pad, dec) in enumerate(shapes):
             inp = build_step_inputs(self.spec, [], t_pad, s_pad)
             inp = dataclasses.replace(inp, metas=tuple(dataclasses.replace(m, decode_only=dec) for m in inp.metas))
-            multi = dec and self._decode_steps_program()
-
-            def greedy(inp, multi=multi):
-                if multi:
-                    return self.runner.forward_decode_steps(inp, 1, self.config.num_scheduler_steps)[1]
-                return self.runner.forward_greedy(inp)
+            if dec and self._decode_steps_program():
+                def greedy(x):
+                    return self.runner.forward_decode_steps(x, 1, self.config.num_scheduler_steps)[1]
+            else:
+                greedy = self.runner.forward_greedy
             outs = [greedy(inp)] + ([] if greedy_only else [self.runner.forward(inp)])
             if dec:   # as a lookahead step takes its token ids: a device array, the previous step's tokens
                 outs.append(greedy(dataclasses.replace(inp, token_ids=_take(outs[0], np.zeros(t_pad, np.int32)))))
@@ -409,8 +408,7 @@ class LLMEngine:
     def _decode_steps_program(self) -> bool:
         """Plain-greedy decode-only steps run as `runner.model_decode_steps` (one program, 1 or more steps): only
         where programs of several steps can run (async scheduling, no speculative decoding)."""
-        return self.config.num_scheduler_steps > 1 and self.config.async_scheduling and self.spec_config is None \
-            and self.drafter is None
+        return self.config.num_scheduler_steps > 1 and self.config.async_scheduling and self.spec_config is None
 
     def _dispatch(self, scheduled: list, prev: _Pending | None = None, steps: int = 1) -> _Pending:
         """Build the step's inputs and start it on the device (nothing here waits for the device).
@@ -496,8 +494,7 @@ class LLMEngine:
         if p.greedy and p.last is not None:   # a decode-steps program: row j holds step j's tokens
             toks_all = np.asarray(p.result)[:p.steps]
             for i in plain:
-                col = toks_all[:, first[i]]
-                sampled[sched[i].seq.seq_id] = int(col[0]) if p.steps == 1 else [int(t) for t in col]
+                sampled[sched[i].seq.seq_id] = toks_all[:, first[i]].tolist()
         elif p.greedy:
             toks_all = np.asarray(p.result)
             for i in plain:

@@ -380,7 +380,7 @@ def model_decode_steps(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp:
         d = jnp.where(real, i, 0).astype(jnp.int32)   # padding slots stay empty (kv_len 0: nothing written)
 
         def meta(m):
-            return dataclasses.replace(m, kv_lens=m.kv_lens + d[:m.kv_lens.shape[0]])
+            return dataclasses.replace(m, kv_lens=m.kv_lens + d)
         return d, tuple(meta(m) for m in inp.metas), tuple(meta(m) for m in inp.shared_metas)
 
     def body(i, carry):

@@ -304,9 +304,9 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, finished=finished)
 
-    def schedule_lookahead(self, prev: list[ScheduledSeq], prev_steps: int = 1) -> list[ScheduledSeq] | None:
-        """`schedule_ahead` for a one-step lookahead: its entries, or None."""
-        ahead = self.schedule_ahead(prev, prev_steps, 1)
+    def schedule_lookahead(self, prev: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """`schedule_ahead` for a one-step lookahead after a one-step `prev`: its entries, or None."""
+        ahead = self.schedule_ahead(prev, 1, 1)
         return None if ahead is None else ahead[0]
 
     def schedule_ahead(self, prev: list[ScheduledSeq], prev_steps: int = 1,

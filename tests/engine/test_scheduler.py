@@ -30,26 +30,33 @@ class FakeModel:
         self.bm = bm
         self.store = [np.full((g.num_pages, g.page_size), -1) for g in bm.groups]
 
+    def write(self, seq, pos, token):
+        """The K/V of `token` at position `pos`, in every group (its page must exist and be the sequence's own)."""
+        for g, spec in enumerate(self.bm.groups):
+            page = seq.page_tables[g][pos // spec.page_size]
+            assert page != 0, f"{seq}: position {pos} has no page in group {spec.name}"
+            assert self.bm.ref_count(g, page) == 1, f"{seq}: writes into shared page {page}"
+            self.store[g][page, pos % spec.page_size] = token
+
+    def check_reads(self, seq, q, history):
+        """Query `q` reads exactly history[j] at every key j it sees, in every group."""
+        for g, spec in enumerate(self.bm.groups):
+            lo = 0 if spec.window is None else max(0, q - spec.window + 1)
+            for j in range(lo, q + 1):
+                page = seq.page_tables[g][j // spec.page_size]
+                assert page != 0 and self.store[g][page, j % spec.page_size] == history[j], (
+                    f"{seq}: query {q} reads a wrong key at {j} in group {spec.name}")
+
     def step(self, out):
-        bm = self.bm
         for seq, n in out.scheduled:  # every write of the step first, as the kernel does
             c = seq.num_computed_tokens
-            for g, spec in enumerate(bm.groups):
-                for pos in range(c, c + n):
-                    page = seq.page_tables[g][pos // spec.page_size]
-                    assert page != 0, f"{seq}: position {pos} has no page in group {spec.name}"
-                    assert bm.ref_count(g, page) == 1, f"{seq}: writes into shared page {page}"
-                    self.store[g][page, pos % spec.page_size] = seq.token_ids[pos]
+            for pos in range(c, c + n):
+                self.write(seq, pos, seq.token_ids[pos])
         sampled = {}
         for seq, n in out.scheduled:
             c = seq.num_computed_tokens
-            for g, spec in enumerate(bm.groups):
-                for q in range(c, c + n):
-                    lo = 0 if spec.window is None else max(0, q - spec.window + 1)
-                    for j in range(lo, q + 1):
-                        page = seq.page_tables[g][j // spec.page_size]
-                        assert page != 0 and self.store[g][page, j % spec.page_size] == seq.token_ids[j], (
-                            f"{seq}: query {q} reads a wrong key at {j} in group {spec.name}")
+            for q in range(c, c + n):
+                self.check_reads(seq, q, seq.token_ids)
             if c + n == seq.num_tokens:
                 sampled[seq.seq_id] = next_token(seq.token_ids)
         return sampled
@@ -368,20 +375,13 @@ def decode_steps(model, entries, k):
     writes the K/V of its token at position num_computed_tokens + i (its predecessor's sample from step i - 1),
     checks what that query reads, and samples the next token from the history so far. Returns seq_id -> k tokens
     (the scheduler's `steps` list)."""
-    bm, sampled = model.bm, {}
+    sampled = {}
     for seq, n in entries:
         assert n == 1 and seq.num_computed_tokens == seq.num_tokens - 1, seq
         hist = list(seq.token_ids)
         for q in range(seq.num_computed_tokens, seq.num_computed_tokens + k):
-            for g, spec in enumerate(bm.groups):
-                page = seq.page_tables[g][q // spec.page_size]
-                assert page != 0, f"{seq}: decode step at position {q} has no page in group {spec.name}"
-                assert bm.ref_count(g, page) == 1, f"{seq}: writes into shared page {page}"
-                model.store[g][page, q % spec.page_size] = hist[q]
-                for j in range(0 if spec.window is None else max(0, q - spec.window + 1), q + 1):
-                    page = seq.page_tables[g][j // spec.page_size]
-                    assert page != 0 and model.store[g][page, j % spec.page_size] == hist[j], (
-                        f"{seq}: query {q} reads a wrong key at {j} in group {spec.name}")
+            model.write(seq, q, hist[q])
+            model.check_reads(seq, q, hist)
             hist.append(next_token(hist))
         sampled[seq.seq_id] = hist[seq.num_tokens:]
     return sampled
