@@ -322,9 +322,9 @@ class Scheduler:
         can go past its max_tokens / max_model_len in, capped at max_steps. The input token is the device result
         of `prev` (the engine feeds it on device); a sequence that stops within prev's tokens is skipped by
         update_after_step, its result discarded, and so are the tokens after the one it stops on. Allocation
-        never preempts: out of pages for k steps this tries one; out of pages for one, it returns None (keeping
-        what it allocated, which the next steps need anyway) and the engine schedules normally once `prev` is
-        done."""
+        never preempts: out of pages for k steps this plans the most steps the pages cover; out of pages for one, it
+        returns None (keeping what it allocated, which the next steps need anyway) and the engine schedules
+        normally once `prev` is done."""
         cfg, bm = self.config, self.block_manager
         if prev_steps < 1 or max_steps < 1:
             raise ValueError(f"schedule_ahead: prev_steps and max_steps must be >= 1, got {prev_steps}, {max_steps}")
@@ -343,7 +343,7 @@ class Scheduler:
         if not room:
             return None
         k = min(max_steps, min(r for _, r in room.values()))
-        for steps in dict.fromkeys((k, 1)):
+        for steps in range(k, 0, -1):   # short of pages for k steps: the most that fit
             if all(bm.allocate(seq, seq.num_tokens + prev_steps - 1 + steps - seq.num_computed_tokens,
                                ahead=prev_steps - 1 + steps) for seq, _ in room.values()):
                 return [ScheduledSeq(seq, 1) for seq, _ in room.values()], steps

@@ -454,7 +454,8 @@ def test_decode_steps_change_nothing(pages, k_max, max_model_len, seed):
 
 def test_schedule_ahead_plans_steps_within_every_limit():
     """k is the most steps no sequence goes past max_tokens / max_model_len in (after prev's own tokens), capped at
-    max_steps; each sequence gets pages through its k-th position; out of pages for k steps it plans one."""
+    max_steps; each sequence gets pages through its k-th position; out of pages for k steps it plans the most steps
+    that the pages cover."""
     sched, _ = make(1000, 1000, max_num_seqs=2, max_model_len=40)
     a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
     b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=7, ignore_eos=True))
@@ -478,7 +479,7 @@ def test_schedule_ahead_plans_steps_within_every_limit():
     sched2.add(c)
     out = sched2.schedule()
     assert sched2.schedule_ahead(out.scheduled, 1, 16)[1] == 40 - 31
-    # a pool without pages for k = 3 steps of both: k falls back to 1 (what the first got stays allocated)
+    # a pool without pages for k = 4 steps of both: k falls to 1 (what the first got stays allocated)
     sched3, bm3 = make(4, 1000, max_model_len=40)   # 3 usable full pages of 4 positions
     d, e = (Sequence(r, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for r in "de")
     sched3.add(d)
@@ -490,6 +491,15 @@ def test_schedule_ahead_plans_steps_within_every_limit():
     assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [2, 1, 0]
     with pytest.raises(ValueError, match="must be >= 1"):
         sched3.schedule_ahead(out.scheduled, 1, 0)
+    # one token earlier in the page: 4 steps need a second page each (one is free), 2 steps do not: k is 2, not 1
+    sched4, bm4 = make(4, 1000, max_model_len=40)
+    f, g = (Sequence(r, [1, 2], SamplingParams(max_tokens=5, ignore_eos=True)) for r in "fg")
+    sched4.add(f)
+    sched4.add(g)
+    out4 = sched4.schedule()
+    assert [len(f.page_tables[0]), len(g.page_tables[0]), bm4.num_free_pages(0)] == [1, 1, 1]
+    assert sched4.schedule_ahead(out4.scheduled, 1, 8)[1] == 2
+    assert [len(f.page_tables[0]), len(g.page_tables[0])] == [2, 1]   # f's page for 4 steps stays allocated
     # more tokens than the step's decode steps (or a verification's drafts) is refused
     sched3.update_after_step(out, {d.seq_id: 7, e.seq_id: 8})
     with pytest.raises(ValueError, match="3 new tokens .* a step of 2 decode steps"):
