@@ -365,7 +365,9 @@ def model_decode_steps(weights: gemma.Weights, spec: RunnerSpec, kv: tuple, inp:
     (one token and one logits row per sequence slot); step i > 0 feeds each real sequence the token step i - 1 picked,
     at the next position (its kv_lens and position one further: its pages must already cover it). Each step is
     `model_step(greedy=True)` itself, so the tokens are those of `steps` separate calls wherever the
-    compiler gives the loop body the one-step program's bits (on XLA:CPU every test and bench so far).
+    compiler gives the loop body the one-step program's bits (on XLA:CPU every test and bench so far; on a TPU v5e
+    bf16 E2B's did, w8a8+emb4's did not: near-tied tokens came out second-ranked, README "On a real TPU v5e
+    (2026-12-08)").
 
     Returns ((tokens int32 [max_steps, R]: row i the tokens of step i, rows >= steps zero; the last step's tokens
     [R]), updated kv).
