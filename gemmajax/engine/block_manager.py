@@ -178,20 +178,22 @@ class BlockManager:
         group: from the first position the step's queries can see). All or nothing: returns False, changing
         nothing, when any group lacks free pages. `ahead`: how many tokens not yet known (sampled by a step still
         on the device) the positions may run past the sequence's end (the scheduler's lookahead)."""
+        wanted = self.new_pages(seq, num_tokens, ahead)
+        if any(n > len(pool.free) for n, pool in zip(wanted, self._pools)):
+            return False
+        for g, pool in enumerate(self._pools):
+            seq.page_tables[g].extend(pool.take() for _ in range(wanted[g]))
+        return True
+
+    def new_pages(self, seq: Sequence, num_tokens: int, ahead: int = 0) -> list[int]:
+        """Per group, how many pages `allocate(seq, num_tokens, ahead)` would take now (free or not); changes
+        nothing but an unseen sequence's empty page tables."""
         self._init_seq(seq)
         end = seq.num_computed_tokens + num_tokens
         if num_tokens < 0 or end > seq.num_tokens + ahead:
             raise ValueError(f"allocate({seq!r}, {num_tokens}): positions up to {end} requested, the sequence "
                              f"has {seq.num_tokens} tokens")
-        wanted = []
-        for g, pool in enumerate(self._pools):
-            n_new = max(0, -(-end // pool.spec.page_size) - len(seq.page_tables[g]))
-            if n_new > len(pool.free):
-                return False
-            wanted.append(n_new)
-        for g, pool in enumerate(self._pools):
-            seq.page_tables[g].extend(pool.take() for _ in range(wanted[g]))
-        return True
+        return [max(0, -(-end // pool.spec.page_size) - len(seq.page_tables[g])) for g, pool in enumerate(self._pools)]
 
     def cache_full_pages(self, seq: Sequence) -> None:
         """Register the pages that are full and computed under their prefix hash (call after a step)."""

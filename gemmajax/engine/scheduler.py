@@ -322,9 +322,9 @@ class Scheduler:
         can go past its max_tokens / max_model_len in, capped at max_steps. The input token is the device result
         of `prev` (the engine feeds it on device); a sequence that stops within prev's tokens is skipped by
         update_after_step, its result discarded, and so are the tokens after the one it stops on. Allocation
-        never preempts: out of pages for k steps this plans the most steps the pages cover; out of pages for one, it
-        returns None (keeping what it allocated, which the next steps need anyway) and the engine schedules
-        normally once `prev` is done."""
+        never preempts: out of pages for k steps this plans the most steps the free pages cover for every entry
+        (counted before any is taken); out of pages for one, it returns None, allocating nothing, and the engine
+        schedules normally once `prev` is done."""
         cfg, bm = self.config, self.block_manager
         if prev_steps < 1 or max_steps < 1:
             raise ValueError(f"schedule_ahead: prev_steps and max_steps must be >= 1, got {prev_steps}, {max_steps}")
@@ -343,10 +343,20 @@ class Scheduler:
         if not room:
             return None
         k = min(max_steps, min(r for _, r in room.values()))
-        for steps in range(k, 0, -1):   # short of pages for k steps: the most that fit
-            if all(bm.allocate(seq, seq.num_tokens + prev_steps - 1 + steps - seq.num_computed_tokens,
-                               ahead=prev_steps - 1 + steps) for seq, _ in room.values()):
-                return [ScheduledSeq(seq, 1) for seq, _ in room.values()], steps
+        seqs = [seq for seq, _ in room.values()]
+
+        def args(seq, steps):  # (seq, tokens to allocate, ahead) for pages through the steps-th position
+            return seq, seq.num_tokens + prev_steps - 1 + steps - seq.num_computed_tokens, prev_steps - 1 + steps
+
+        free = [bm.num_free_pages(g) for g in range(len(bm.groups))]
+        for steps in range(k, 0, -1):   # short of pages for k steps: the most that fit (counted before taking any)
+            need = [sum(col) for col in zip(*(bm.new_pages(*args(seq, steps)) for seq in seqs))]
+            if all(n <= f for n, f in zip(need, free)):
+                for seq in seqs:
+                    if not bm.allocate(*args(seq, steps)):
+                        raise RuntimeError(f"schedule_ahead: {seq!r} got no pages for {steps} steps after they "
+                                           f"were counted free")
+                return [ScheduledSeq(seq, 1) for seq in seqs], steps
         return None
 
     def update_after_step(self, scheduled: SchedulerOutput | list[ScheduledSeq] | list[tuple[Sequence, int]],

@@ -391,15 +391,20 @@ def run_with_decode_steps(sched, model, k_max, max_iters=5000):
     """The engine's async loop with decode-steps programs: while a program of prev_steps steps is 'on the device'
     (its tokens not appended yet), schedule_ahead plans the next one, up to k_max steps, its pages allocated
     ahead; it runs after prev's update (the device runs them in order), on the sequences still running. Returns
-    the number of steps of each program planned ahead."""
-    pending, iters, planned = None, 0, []
+    the number of steps of each program planned ahead, and how many of them pages shortened (fewer steps than
+    max_tokens / max_model_len and k_max allow)."""
+    pending, iters, planned, short = None, 0, [], 0
     while pending is not None or sched.has_unfinished():
         cur, cur_steps = pending if pending is not None else (sched.schedule().scheduled, 1)
+        room = [min(s.seq.params.max_tokens - s.seq.num_output_tokens,
+                    sched.config.max_model_len - s.seq.num_tokens) - cur_steps
+                for s in cur if s.seq.status == SequenceStatus.RUNNING]
         pending = sched.schedule_ahead(cur, cur_steps, k_max)
         if pending is not None:
             k = pending[1]
             assert 1 <= k <= k_max
             planned.append(k)
+            short += k < min(k_max, *[r for r in room if r > 0])
             for seq, _ in pending[0]:   # no program samples past max_tokens or max_model_len
                 assert seq.num_output_tokens + cur_steps + k <= seq.params.max_tokens, (seq, cur_steps, k)
                 assert seq.num_tokens + cur_steps + k <= sched.config.max_model_len, (seq, cur_steps, k)
@@ -410,7 +415,7 @@ def run_with_decode_steps(sched, model, k_max, max_iters=5000):
         assert_refcounts(sched.block_manager, sched.running + list(sched.waiting))
         iters += 1
         assert iters < max_iters, "no progress"
-    return planned
+    return planned, short
 
 
 def _eos_workload(seed, max_model_len):
@@ -422,13 +427,16 @@ def _eos_workload(seed, max_model_len):
     return [Sequence(rid, p, sp) for rid, p, sp in reqs], {"max_model_len": max_model_len}
 
 
-@pytest.mark.parametrize("pages, k_max, max_model_len, seed", [((1000, 1000), 8, 80, 0), ((1000, 1000), 3, 48, 1),
-                                                                ((19, 13), 8, 80, 2), ((19, 13), 5, 48, 3)])
-def test_decode_steps_change_nothing(pages, k_max, max_model_len, seed):
+@pytest.mark.parametrize("pages, k_max, max_model_len, seed, max_num_seqs, min_short", [
+    ((1000, 1000), 8, 80, 0, 6, 0), ((1000, 1000), 3, 48, 1, 6, 0), ((19, 13), 8, 80, 2, 6, 0),
+    ((19, 13), 5, 48, 3, 6, 0), ((19, 13), 8, 48, 4, 2, 10), ((16, 12), 8, 48, 2, 3, 3)])
+def test_decode_steps_change_nothing(pages, k_max, max_model_len, seed, max_num_seqs, min_short):
     """Programs of several decode steps planned ahead give every request the tokens and finish reason of plain
     one-step scheduling: stops on EOS inside a program drop the tokens after it, no program runs past
-    max_tokens or max_model_len, prefix-cache hits and preemption (tight pools) included; pages all return."""
+    max_tokens or max_model_len, prefix-cache hits and preemption (tight pools) included, and programs that the
+    pages shorten (the last two cases, at least min_short of them); pages all return."""
     seqs, cfg = _eos_workload(seed, max_model_len)
+    cfg["max_num_seqs"] = max_num_seqs
     sched, bm = make(*pages, **cfg)
     for s in seqs:
         sched.add(s)
@@ -440,12 +448,14 @@ def test_decode_steps_change_nothing(pages, k_max, max_model_len, seed):
     assert max_model_len == 80 or any(len(s.token_ids) == max_model_len for s in seqs)  # some end there
 
     seqs, cfg = _eos_workload(seed, max_model_len)
+    cfg["max_num_seqs"] = max_num_seqs
     sched, bm = make(*pages, **cfg)
     for s in seqs:
         sched.add(s)
-    planned = run_with_decode_steps(sched, FakeModel(bm), k_max)
+    planned, short = run_with_decode_steps(sched, FakeModel(bm), k_max)
     assert {s.request_id: (s.output_token_ids, s.finish_reason) for s in seqs} == reference
     assert max(planned) == k_max and len(set(planned)) > 1, planned   # full programs and shortened ones
+    assert short >= min_short, (short, planned)
     if pages == (19, 13):
         assert sched.num_preemptions > 0
     for g in range(2):
@@ -479,7 +489,7 @@ def test_schedule_ahead_plans_steps_within_every_limit():
     sched2.add(c)
     out = sched2.schedule()
     assert sched2.schedule_ahead(out.scheduled, 1, 16)[1] == 40 - 31
-    # a pool without pages for k = 4 steps of both: k falls to 1 (what the first got stays allocated)
+    # a pool without pages for k = 4 steps of both: k falls to 1, and no page is taken for the steps not planned
     sched3, bm3 = make(4, 1000, max_model_len=40)   # 3 usable full pages of 4 positions
     d, e = (Sequence(r, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for r in "de")
     sched3.add(d)
@@ -488,7 +498,7 @@ def test_schedule_ahead_plans_steps_within_every_limit():
     assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [1, 1, 1]
     ahead = sched3.schedule_ahead(out.scheduled, 1, 8)
     assert ahead[1] == 1
-    assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [2, 1, 0]
+    assert [len(d.page_tables[0]), len(e.page_tables[0]), bm3.num_free_pages(0)] == [1, 1, 1]
     with pytest.raises(ValueError, match="must be >= 1"):
         sched3.schedule_ahead(out.scheduled, 1, 0)
     # one token earlier in the page: 4 steps need a second page each (one is free), 2 steps do not: k is 2, not 1
@@ -499,7 +509,19 @@ def test_schedule_ahead_plans_steps_within_every_limit():
     out4 = sched4.schedule()
     assert [len(f.page_tables[0]), len(g.page_tables[0]), bm4.num_free_pages(0)] == [1, 1, 1]
     assert sched4.schedule_ahead(out4.scheduled, 1, 8)[1] == 2
-    assert [len(f.page_tables[0]), len(g.page_tables[0])] == [2, 1]   # f's page for 4 steps stays allocated
+    assert [len(f.page_tables[0]), len(g.page_tables[0]), bm4.num_free_pages(0)] == [1, 1, 1]
+    # a later sequence's one step must not lose its page to an earlier one's attempt at more steps: c needs the
+    # free page for even one step (its last token sits at position 4, the start of a page), a only for 2 or more
+    sched5, bm5 = make(4, 1000, max_model_len=40)
+    a5 = Sequence("a5", [1, 2, 3], SamplingParams(max_tokens=9, ignore_eos=True))
+    c5 = Sequence("c5", [4, 5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    sched5.add(a5)
+    sched5.add(c5)
+    out5 = sched5.schedule()
+    assert [len(a5.page_tables[0]), len(c5.page_tables[0]), bm5.num_free_pages(0)] == [1, 1, 1]
+    entries5, k5 = sched5.schedule_ahead(out5.scheduled, 1, 8)
+    assert k5 == 1 and [s.seq.request_id for s in entries5] == ["a5", "c5"]
+    assert [len(a5.page_tables[0]), len(c5.page_tables[0]), bm5.num_free_pages(0)] == [1, 2, 0]
     # more tokens than the step's decode steps (or a verification's drafts) is refused
     sched3.update_after_step(out, {d.seq_id: 7, e.seq_id: 8})
     with pytest.raises(ValueError, match="3 new tokens .* a step of 2 decode steps"):
