@@ -134,10 +134,16 @@ def _child(script: str, setting: str) -> dict:
 def test_huge_pages_back_exactly_the_whole_aligned_runs():
     """The bytes collapsed are the whole aligned huge pages inside the big array (computed here from its address and
     size; the 12-byte array holds none); the advised mapping is exactly that run (the advice stays inside the buffer),
-    all of it in huge pages; the array reads the same numbers."""
-    r = _child(_HUGE, "on")
-    p, n = r["p"], r["n"]
-    start, end = -(-p // _HUGE_PAGE) * _HUGE_PAGE, (p + n) // _HUGE_PAGE * _HUGE_PAGE
+    all of it in huge pages; the array reads the same numbers. MADV_COLLAPSE is best effort: when the kernel has no
+    free huge page for one of the run's 2 MiB pages at that moment, the call fails and huge_pages counts nothing (seen
+    once in a full `make test`, on a machine up 22 hours: 10 of 11 pages collapsed, 0 counted; the file alone then
+    passed 3 of 3). So a fresh process tries again, up to 3 times, before the test fails."""
+    for _ in range(3):
+        r = _child(_HUGE, "on")
+        p, n = r["p"], r["n"]
+        start, end = -(-p // _HUGE_PAGE) * _HUGE_PAGE, (p + n) // _HUGE_PAGE * _HUGE_PAGE
+        if r["got"] == end - start:
+            break
     assert end - start >= 10 * _HUGE_PAGE  # 24 MiB holds 11 or 12 whole 2 MiB pages
     lo, hi, kb, flags = r["m1"]
     assert r["got"] == end - start and (lo, hi) == (start, end) and "hg" in flags.split(), r
