@@ -31,12 +31,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import numpy as np
-from device_tpu import PAGE, abstract_weights, free_tree, make_spec, mem_line, random_tree, tables_for, tiny_e2b
+from device_tpu import (
+    PAGE,
+    abstract_weights,
+    free_tree,
+    log,
+    make_spec,
+    mem_line,
+    now,
+    random_tree,
+    tables_for,
+    tiny_e2b,
+)
 
 from gemmajax.config import ModelConfig
 from gemmajax.engine.runner import ModelRunner, build_step_inputs, kv_groups
-
-T0 = time.perf_counter()
 
 
 def _take(tokens: jax.Array, src: np.ndarray) -> jax.Array:
@@ -45,19 +54,22 @@ def _take(tokens: jax.Array, src: np.ndarray) -> jax.Array:
     return tokens[src]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+def make_runner(cfg, quant: str, max_streams: int, context: int, tokens: int, max_model_len: int) -> ModelRunner:
+    """Random weights of `quant` and a bf16 cache with pages for max_streams streams of context + tokens positions."""
+    need = 1 + max_streams * math.ceil((context + tokens) / PAGE)
+    spec = make_spec(cfg, (need,) * len(kv_groups(cfg)), "bf16", max_model_len, "auto")
+    return ModelRunner(random_tree(abstract_weights(cfg, quant)), spec)
 
 
 class Case:
-    """One model, quant and stream count: a runner, its first tokens and page tables."""
+    """One model, quant and stream count: a runner, its first tokens and page tables (through context + tokens)."""
 
-    def __init__(self, runner: ModelRunner, streams: int, context: int, k: int, seed: int):
+    def __init__(self, runner: ModelRunner, streams: int, context: int, tokens: int, k: int, seed: int):
         self.runner, self.s, self.ctx, self.k = runner, streams, context, k
         cfg = runner.spec.cfg
         rng = np.random.default_rng(seed)
         self.ids0 = rng.choice(np.arange(3, cfg.vocab_size), size=streams, replace=False).astype(np.int32)
-        self.tables, _ = tables_for(runner.spec, streams, math.ceil((context + 8 * k + 1) / PAGE))
+        self.tables, _ = tables_for(runner.spec, streams, math.ceil((context + tokens) / PAGE))
         self.src = np.arange(streams, dtype=np.int32)
 
     def inputs(self, i: int, prev):
@@ -147,30 +159,26 @@ def main(argv=None) -> int:
     log(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0].device_kind!r}")
     cfg = tiny_e2b() if t else ModelConfig.preset("e2b")
     streams = [int(s) for s in a.streams.split(",")]
-    need = 1 + max(streams) * math.ceil((ctx + 8 * a.steps + 1) / PAGE)
     results, ok = {}, True
     for quant in a.quants.split(","):
-        if time.perf_counter() - T0 > a.deadline:
+        if now() > a.deadline:
             log(f"SKIP {quant}: past the deadline")
             continue
-        spec = make_spec(cfg, (need,) * len(kv_groups(cfg)), "bf16", 8192 if not t else 512, "auto")
-        abstract = abstract_weights(cfg, quant)
-        w = random_tree(abstract)
-        runner = ModelRunner(w, spec)
+        runner = make_runner(cfg, quant, max(streams), ctx, n, 512 if t else 8192)
         log(f"{cfg.name} {quant}: weights and cache built; {mem_line()}")
         for s in streams:
-            if time.perf_counter() - T0 > a.deadline:
+            if now() > a.deadline:
                 log(f"SKIP {quant} x{s}: past the deadline")
                 continue
             try:
-                results[(quant, s)] = r = run_case(f"{cfg.name} {quant} x{s} ctx {ctx}", Case(runner, s, ctx, a.steps,
+                results[(quant, s)] = r = run_case(f"{cfg.name} {quant} x{s} ctx {ctx}", Case(runner, s, ctx, n, a.steps,
                                                                                               seed=s), rounds, n)
                 ok &= r["same"] == r["size"]
             except Exception as e:  # noqa: BLE001 -- the other cases still run
                 log(f"ERROR {quant} x{s}: {type(e).__name__}: {str(e)[:400]}")
                 ok = False
         free_tree(runner.kv)
-        free_tree(w)
+        free_tree(runner.weights)
     log("SUMMARY " + "; ".join(f"{q} x{s}: {r['ratio']:.3f}x, tokens {r['same']}/{r['size']}"
                                for (q, s), r in results.items()))
     return 0 if ok and results else 1

@@ -3,26 +3,18 @@ both from the same state, against the one-step program's own float32 logits (for
 near-tie of the argmax, or far from it?"""
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import numpy as np
-from device_tpu import PAGE, abstract_weights, free_tree, make_spec, random_tree, tables_for, tiny_e2b
+from device_tpu import free_tree, log, tiny_e2b
+from device_tpu_steps import Case, make_runner
 
 from gemmajax.config import ModelConfig
-from gemmajax.engine.runner import ModelRunner, build_step_inputs, kv_groups
-
-T0 = time.perf_counter()
-
-
-def log(msg):
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def main():
@@ -34,14 +26,8 @@ def main():
     for name, cfg in models:
         ctx = 40 if name == "tiny" else 1024
         for quant in quants:
-            need = 1 + s * math.ceil((ctx + 65) / PAGE)
-            spec = make_spec(cfg, (need,) * len(kv_groups(cfg)), "bf16", 512 if name == "tiny" else 8192, "auto")
-            w = random_tree(abstract_weights(cfg, quant))
-            r = ModelRunner(w, spec)
-            rng = np.random.default_rng(s)
-            ids = rng.choice(np.arange(3, cfg.vocab_size), size=s, replace=False)
-            tables, _ = tables_for(spec, s, math.ceil((ctx + 65) / PAGE))
-            inp = build_step_inputs(spec, [([int(ids[j])], ctx, 1, tables[j]) for j in range(s)], s, s)
+            r = make_runner(cfg, quant, s, ctx, 1, 512 if name == "tiny" else 8192)
+            inp = Case(r, s, ctx, 1, 8, seed=s).inputs(0, None)   # device_tpu_steps' first step of s streams
             logits = np.asarray(r.forward(inp))[:s]
             single = np.asarray(r.forward_greedy(inp))[:s]
             prog8 = np.asarray(r.forward_decode_steps(inp, 1, 8)[0])[0, :s]
@@ -57,7 +43,7 @@ def main():
                 f"to the max: median {np.median(lost8):.4g}, max {lost8.max():.4g}; rank of prog8's token: "
                 f"{[int(np.sum(logits[j] > logits[j, prog8[j]])) for j in range(s)]}")
             free_tree(r.kv)
-            free_tree(w)
+            free_tree(r.weights)
 
 
 if __name__ == "__main__":
